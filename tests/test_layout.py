@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+from twostage_mla.layout import DCPLayout, kv_slots, local_index, local_len, owner
+
+
+def brute(n_ranks: int, il: int, length: int):
+    own = [(p // il) % n_ranks for p in range(length)]
+    idx, count = [], [0] * n_ranks
+    for p in range(length):
+        idx.append(count[own[p]])
+        count[own[p]] += 1
+    return own, idx, count
+
+
+@pytest.mark.parametrize("n_ranks", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("il", [1, 2, 3, 16])
+def test_formulas_match_brute_force(n_ranks, il):
+    length = 3 * n_ranks * il + 5
+    own, idx, _ = brute(n_ranks, il, length)
+    p = torch.arange(length)
+    assert owner(p, n_ranks, il).tolist() == own
+    assert local_index(p, n_ranks, il).tolist() == idx
+    for L in range(length + 1):
+        counts = brute(n_ranks, il, L)[2]
+        lens = torch.full((n_ranks,), L)
+        for r in range(n_ranks):
+            assert local_len(L, n_ranks, il, r) == counts[r]  # python ints
+            assert local_len(lens, n_ranks, il, r)[r].item() == counts[r]  # tensors
+
+
+def test_worked_example_from_docstring():
+    p = torch.arange(9)
+    assert owner(p, 2, 2).tolist() == [0, 0, 1, 1, 0, 0, 1, 1, 0]
+    assert local_index(p, 2, 2).tolist() == [0, 1, 0, 1, 2, 3, 2, 3, 4]
+    assert (local_len(9, 2, 2, 0), local_len(9, 2, 2, 1)) == (5, 4)
+    # contexts shorter than N*I leave later ranks empty
+    assert [local_len(3, 4, 2, r) for r in range(4)] == [2, 1, 0, 0]
+
+
+@pytest.mark.parametrize("n_ranks,il,page", [(1, 1, 4), (2, 1, 3), (3, 2, 4), (4, 16, 16)])
+def test_kv_slots_match_paged_layout(n_ranks, il, page):
+    g = torch.Generator().manual_seed(0)
+    lengths = [0, 7, 50, 3]
+    for r in range(n_ranks):
+        layout = DCPLayout(n_ranks, r, il)
+        need = max(-(-local_len(L, n_ranks, il, r) // page) for L in lengths)
+        table = torch.randperm(4 * max(need, 1), generator=g)[: 4 * max(need, 1)].view(4, -1).int()
+        pos = torch.cat([torch.arange(L) for L in lengths])
+        req = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths))
+        slots = kv_slots(pos, req, table, page, layout).tolist()
+        own, idx, _ = brute(n_ranks, il, max(lengths))
+        for s, p_, b in zip(slots, pos.tolist(), req.tolist()):
+            if own[p_] != r:
+                assert s == -1
+            else:
+                li = idx[p_]
+                assert s == int(table[b, li // page]) * page + li % page
+
+
+def test_layout_rejects_bad_values():
+    with pytest.raises(ValueError, match="world_size >= 1"):
+        DCPLayout(0, 0, 1)
+    with pytest.raises(ValueError, match="interleave >= 1"):
+        DCPLayout(2, 0, 0)
+    with pytest.raises(ValueError, match=r"0 <= rank < world_size = 2, got rank=2"):
+        DCPLayout(2, 2, 1)

@@ -1,0 +1,89 @@
+import math
+
+import pytest
+import torch
+
+from twostage_mla.state import merge_state, merge_state_, merge_states, normalize_lse
+
+
+def state(s: torch.Tensor, v: torch.Tensor):
+    """Exact state of scores s (T, H, K) over values v (K, Dv)."""
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.softmax(s, dim=-1) @ v, lse
+
+
+def test_merge_equals_softmax_over_union():
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(5, 3, 10, generator=g, dtype=torch.float64) * 3
+    v = torch.randn(10, 7, generator=g, dtype=torch.float64)
+    o, lse = state(s, v)
+    oa, la = state(s[..., :4], v[:4])
+    ob, lb = state(s[..., 4:], v[4:])
+    om, lm = merge_state(oa, la, ob, lb)
+    torch.testing.assert_close(om, o.to(om.dtype), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lm.double(), lse, rtol=1e-6, atol=1e-6)
+
+
+def test_merge_many_is_order_independent_and_associative():
+    g = torch.Generator().manual_seed(1)
+    o = torch.randn(4, 6, 2, 5, generator=g)
+    lse = torch.randn(4, 6, 2, generator=g) * 4
+    ref_o, ref_l = merge_states(o, lse)
+    perm = torch.tensor([2, 0, 3, 1])
+    po, pl = merge_states(o[perm], lse[perm])
+    torch.testing.assert_close(po, ref_o)
+    torch.testing.assert_close(pl, ref_l)
+    left = merge_states(o[:2], lse[:2])
+    right = merge_states(o[2:], lse[2:])
+    ao, al = merge_state(left[0], left[1], right[0], right[1])
+    torch.testing.assert_close(ao, ref_o, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(al, ref_l)
+
+
+def test_empty_states_merge_without_nan():
+    o = torch.randn(3, 4, 2, 8)
+    lse = torch.randn(3, 4, 2)
+    lse[:, 0] = float("-inf")  # token 0: every state empty
+    lse[1, 1] = float("-inf")  # token 1: one state empty
+    o[1, 1] = float("nan")  # an empty state's o may be garbage
+    om, lm = merge_states(o, lse)
+    assert not om.isnan().any()
+    assert torch.equal(om[0], torch.zeros_like(om[0]))
+    assert torch.isneginf(lm[0]).all()
+    keep = torch.tensor([0, 2])
+    ro, rl = merge_states(o[keep, 1:2], lse[keep, 1:2])
+    torch.testing.assert_close(om[1:2], ro)
+    torch.testing.assert_close(lm[1:2], rl)
+
+
+def test_merge_with_empty_is_identity_in_place():
+    o = torch.randn(4, 2, 8)
+    lse = torch.randn(4, 2)
+    oa, la = o.clone(), lse.clone()
+    merge_state_(oa, la, torch.zeros_like(o), torch.full_like(lse, float("-inf")))
+    torch.testing.assert_close(oa, o)
+    torch.testing.assert_close(la, lse)
+
+
+def test_bf16_merge_accumulates_in_float32():
+    o = torch.randn(2, 64, 4, 16).bfloat16()
+    lse = torch.randn(2, 64, 4)
+    om, lm = merge_states(o, lse)
+    assert om.dtype == torch.bfloat16 and lm.dtype == torch.float32
+    ref, _ = merge_states(o.double(), lse.double())
+    assert (om.double() - ref).abs().max() < 2e-2
+
+
+def test_normalize_lse():
+    raw = torch.tensor([1.0, float("inf"), float("nan"), float("-inf")])
+    out = normalize_lse(raw)
+    assert out.dtype == torch.float32
+    assert out[0] == 1.0 and torch.isneginf(out[1:]).all()
+    torch.testing.assert_close(normalize_lse(torch.tensor([3.0]), base2=True), torch.tensor([3.0 * math.log(2)]))
+
+
+def test_shape_errors_name_arguments():
+    with pytest.raises(ValueError, match=r"lse: \(K, T, H\)"):
+        merge_states(torch.randn(2, 3, 4, 5), torch.randn(2, 3))
+    with pytest.raises(ValueError, match="o_a"):
+        merge_state(torch.randn(3, 4, 5), torch.randn(3, 4), torch.randn(3, 4, 6), torch.randn(3, 4))

@@ -1,0 +1,5 @@
+import sys
+
+from twostage_mla.cli import main
+
+sys.exit(main())

@@ -1,0 +1,127 @@
+"""The protocol every kernel backend implements.
+
+A backend is a class that declares what it supports as class attributes and
+implements the kernel contract (DESIGN.md section 4):
+
+    context(q, k_cache, v_cache, plan) -> (o, lse)   non-causal, paged, per-request kv length
+    query(q, k, v, plan) -> (o, lse)                 the step's fresh K/V, causal (or tree mask)
+
+Both return a state as in :mod:`twostage_mla.state`: o (T, H, Dv) in q's
+dtype, lse (T, H) float32 natural log, (0, -inf) for rows with no keys.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from twostage_mla.plan import StepPlan
+
+State = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a layer asks of a backend; fixed when the layer is built.
+
+    kv_format: "mla" (one latent KV head; V is the first head_dim_v values
+        of K) or "gqa" (separate K and V caches, num_kv_heads heads).
+    num_heads: query heads on this rank (H_loc); the context pass sees
+        world_size * num_heads of them after the all-gather.
+    """
+
+    kv_format: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    page_size: int
+    world_size: int
+    scale: float
+    dtype: torch.dtype
+    device: torch.device
+
+    def summary(self) -> str:
+        return (
+            f"{self.kv_format} heads={self.num_heads}x{self.world_size} kv_heads={self.num_kv_heads} "
+            f"head_dim={self.head_dim}/{self.head_dim_v} page_size={self.page_size} "
+            f"dtype={self.dtype} device={self.device}"
+        )
+
+
+class AttentionBackend:
+    """Base of every backend: capability declarations and the two passes."""
+
+    name: ClassVar[str]
+    devices: ClassVar[tuple[str, ...]] = ()
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
+    kv_formats: ClassVar[tuple[str, ...]] = ()
+    max_head_dim: ClassVar[int] = 1 << 30
+    head_dims: ClassVar[tuple[tuple[int, int], ...] | None] = None  # allowed (D, Dv) pairs
+    page_size_multiple: ClassVar[int] = 1
+    packages: ClassVar[tuple[str, ...]] = ()  # import names that must be installed
+    min_compute_capability: ClassVar[tuple[int, int] | None] = None
+
+    @classmethod
+    def environment_problems(cls, spec: AttentionSpec) -> list[str]:
+        """Package missing, GPU too old: listed first when a backend is refused."""
+        out = [f"package {p!r} is not installed" for p in cls.packages if importlib.util.find_spec(p) is None]
+        cc = cls.min_compute_capability
+        if cc and spec.device.type == "cuda" and torch.cuda.is_available():
+            have = torch.cuda.get_device_capability(spec.device)
+            if have < cc:
+                out.append(f"needs compute capability >= {cc}, the GPU has {have}")
+        return out
+
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec) -> list[str]:
+        reasons = cls.environment_problems(spec)
+        if spec.device.type not in cls.devices:
+            reasons.append(f"device {spec.device.type!r} not in {cls.devices}")
+        if spec.dtype not in cls.dtypes:
+            reasons.append(f"dtype {spec.dtype} not in {[str(d) for d in cls.dtypes]}")
+        if spec.kv_format not in cls.kv_formats:
+            reasons.append(f"kv_format {spec.kv_format!r} not in {cls.kv_formats}")
+        if max(spec.head_dim, spec.head_dim_v) > cls.max_head_dim:
+            reasons.append(f"head dim {spec.head_dim}/{spec.head_dim_v} > {cls.max_head_dim}")
+        if cls.head_dims is not None and (spec.head_dim, spec.head_dim_v) not in cls.head_dims:
+            reasons.append(f"head dims {(spec.head_dim, spec.head_dim_v)} not in {cls.head_dims}")
+        if spec.page_size % cls.page_size_multiple:
+            reasons.append(f"page_size {spec.page_size} not a multiple of {cls.page_size_multiple}")
+        return reasons + cls.extra_reasons(spec)
+
+    @classmethod
+    def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
+        """Backend-specific refusals beyond the declared attributes."""
+        return []
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+
+    def plan(self, plan: StepPlan) -> Any:
+        """Per-step kernel plans (built once, reused by every layer); None if none."""
+        return None
+
+    def context(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan
+    ) -> State:
+        """Non-causal pass over this rank's shard.
+
+        q: (T, world_size*num_heads, D), heads ordered kv-head-major (see layer).
+        k_cache: (P, page_size, H_kv, D); v_cache: (P, page_size, H_kv, Dv)
+            (for MLA a view of k_cache's first Dv values).
+        Request b reads slots 0 .. plan.local_context_lens[b]-1 through
+        plan.block_table[b]. returns o (T, H, Dv) q.dtype, lse (T, H) float32.
+        """
+        raise NotImplementedError
+
+    def query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
+        """Pass over the step's fresh K/V, causal per request (or plan.query_mask).
+
+        q: (T, num_heads, D); k: (T, H_kv, D); v: (T, H_kv, Dv).
+        returns o (T, num_heads, Dv) q.dtype, lse (T, num_heads) float32.
+        """
+        raise NotImplementedError

@@ -1,0 +1,73 @@
+"""Reference backend: plain torch, float32 maths, any device.
+
+Both passes pad each request's queries to (B, max_q_len) and run a dense
+masked softmax; the context pass first gathers each request's local keys from
+its pages. Slow but simple and exact: the CPU default, and the fallback for
+masks that a fast kernel cannot express.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+
+from twostage_mla.backends.base import AttentionBackend, State
+from twostage_mla.plan import StepPlan
+
+
+def _pad(x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+    """(T, ...) -> (B, max_q_len, ...), zeros where a request has fewer tokens."""
+    out = x.new_zeros((plan.batch_size, plan.max_q_len, *x.shape[1:]))
+    out[plan.token_request, plan.token_offset] = x
+    return out
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked softmax attention in float32, grouped-query aware.
+
+    q: (B, Sq, H, D); k: (B, Sk, H_kv, D); v: (B, Sk, H_kv, Dv); H % H_kv == 0,
+    query head h reads kv head h // (H // H_kv).
+    mask: (B, Sq, Sk) bool, True = visible.
+    returns o (B, Sq, H, Dv) float32, lse (B, Sq, H) float32; (0, -inf) where
+    a row sees nothing.
+    """
+    hk = k.shape[2]
+    qg = rearrange(q.float(), "b s (k g) d -> b k g s d", k=hk)
+    s = torch.einsum("bkgsd,btkd->bkgst", qg, k.float()) * scale
+    s = s.masked_fill(~mask[:, None, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
+    o = torch.einsum("bkgst,btkd->bkgsd", p, v.float())
+    return rearrange(o, "b k g s d -> b s (k g) d"), rearrange(lse, "b k g s -> b s (k g)")
+
+
+class ReferenceBackend(AttentionBackend):
+    name = "reference"
+    devices = ("cpu", "cuda")
+    dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+    kv_formats = ("mla", "gqa")
+
+    def context(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan
+    ) -> State:
+        ps, n = plan.page_size, plan.max_local_context_len
+        idx = torch.arange(n, device=q.device)
+        visible = idx[None, :] < plan.local_context_lens[:, None].long()  # (B, n)
+        pages = plan.block_table.long()[:, idx // ps]  # (B, n)
+        # Table entries past a request's length may hold anything: read slot 0 there.
+        slots = torch.where(visible, pages * ps + idx % ps, 0)
+        k = k_cache.reshape(-1, *k_cache.shape[2:])[slots]  # (B, n, H_kv, D)
+        v = v_cache.reshape(-1, *v_cache.shape[2:])[slots]
+        mask = visible[:, None, :].expand(-1, plan.max_q_len, -1)
+        o, lse = dense_attention(_pad(q, plan), k, v, mask, self.spec.scale)
+        return o[plan.token_request, plan.token_offset].to(q.dtype), lse[plan.token_request, plan.token_offset]
+
+    def query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
+        mask = plan.query_mask
+        if mask is None:
+            j = torch.arange(plan.max_q_len, device=q.device)
+            mask = (j[None, :] <= j[:, None]).expand(plan.batch_size, -1, -1)
+        o, lse = dense_attention(_pad(q, plan), _pad(k, plan), _pad(v, plan), mask, self.spec.scale)
+        return o[plan.token_request, plan.token_offset].to(q.dtype), lse[plan.token_request, plan.token_offset]

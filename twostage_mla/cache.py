@@ -1,0 +1,50 @@
+"""Building a rank's paged shard of the KV cache from unsharded K/V.
+
+Engines write their caches themselves (with :meth:`StepPlan.new_token_slots`);
+this helper builds one from whole sequences, for prefill, tests and the demo.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from twostage_mla.layout import DCPLayout, kv_slots, local_len
+
+
+def build_shard(
+    kv: torch.Tensor,
+    seq_lens: torch.Tensor,
+    layout: DCPLayout,
+    page_size: int,
+    *,
+    extra_pages: int = 0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``layout.rank``'s paged cache holding its positions of every request.
+
+    kv: (S, H_kv, D) requests' positions 0 .. seq_lens[b]-1 concatenated.
+    seq_lens: (B,) int.
+    extra_pages: unused pages to add (filled with noise, so a kernel that
+        reads past a request's length shows up as an error).
+    generator: if given, pages are handed out in a random order.
+    returns cache (P, page_size, H_kv, D) kv.dtype, block_table (B, max_pages) int32.
+    """
+    n, r, i = layout.world_size, layout.rank, layout.interleave
+    sl = seq_lens.tolist()
+    pages = [-(-local_len(s, n, i, r) // page_size) for s in sl]
+    width = max(max(pages, default=0), 1)
+    total = max(sum(pages) + extra_pages, 1)  # a kernel needs at least one page to point at
+    order = torch.randperm(total, generator=generator) if generator is not None else torch.arange(total)
+    block_table = torch.zeros(len(sl), width, dtype=torch.int32)
+    used = 0
+    for b, p in enumerate(pages):
+        block_table[b, :p] = order[used : used + p].to(torch.int32)
+        used += p
+    noise = torch.randn(total * page_size, *kv.shape[1:], generator=generator, dtype=torch.float32)
+    cache = noise.to(kv.dtype)
+    positions = torch.cat([torch.arange(s) for s in sl]) if sl else torch.zeros(0, dtype=torch.long)
+    request = torch.repeat_interleave(torch.arange(len(sl)), torch.tensor(sl, dtype=torch.long))
+    slots = kv_slots(positions, request, block_table, page_size, layout)
+    keep = slots >= 0
+    cache[slots[keep]] = kv.cpu()[keep]
+    return cache.view(total, page_size, *kv.shape[1:]).to(kv.device), block_table.to(kv.device)

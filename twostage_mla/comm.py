@@ -1,0 +1,113 @@
+"""Cross-rank communication of the DCP group: gather queries, combine states.
+
+The process group is always passed in. Head order on the wire is rank-major:
+rank s's local heads are heads s*H .. s*H+H-1 of the gathered tensor, so a
+split over heads hands every rank back its own. Every function is free of
+host synchronisation (usable under CUDA graph capture).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from einops import rearrange
+
+from twostage_mla.state import merge_states
+
+COMBINE_METHODS = ("a2a", "ag_rs")
+
+# torch >= 2.12 renamed these; older releases only have the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+MergeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def gather_queries(q: torch.Tensor, group: dist.ProcessGroup, world_size: int) -> tuple[torch.Tensor, dist.Work]:
+    """Start the all-gather of every rank's queries.
+
+    q: (T, H, D), this rank's heads.
+    returns (buffer, work): after ``work.wait()`` buffer is (N, T, H, D),
+    rank-major; overlap independent work (the query pass) before waiting.
+    """
+    # Gathered flat along dim 0 (gloo insists), viewed as (N, T, ...) after.
+    out = q.new_empty((world_size * q.shape[0], *q.shape[1:]))
+    work = _all_gather(out, q.contiguous(), group=group, async_op=True)
+    return out.view(world_size, *q.shape), work
+
+
+def _safe_exp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """exp(a - b), 0 where b is -inf (every state empty)."""
+    return torch.exp(a - torch.where(torch.isneginf(b), 0.0, b))
+
+
+def combine_a2a(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    merge: MergeFn = merge_states,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One all-to-all of (o, lse) by head slice, then a local merge of N states.
+
+    o: (N, T, H, Dv) any float dtype: slice n holds rank n's heads, as this
+        rank computed them over its shard.
+    lse: (N, T, H) float32.
+    returns o (T, H, Dv) float32, lse (T, H) float32 over all ranks' shards
+    (float32, so the final merge with the query pass rounds only once).
+    """
+    n = o.shape[0]
+    # o and lse travel as raw bytes in one collective; lse starts 16-byte aligned.
+    o_bytes = o[0].numel() * o.element_size()
+    o_pad = -(-o_bytes // 16) * 16
+    send = o.new_empty((n, o_pad + lse[0].numel() * 4), dtype=torch.uint8)
+    send[:, :o_bytes] = o.reshape(n, -1).view(torch.uint8)
+    send[:, o_pad:] = lse.float().reshape(n, -1).view(torch.uint8)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    o_recv = recv[:, :o_bytes].view(o.dtype).view(o.shape)
+    lse_recv = recv[:, o_pad:].view(torch.float32).view(lse.shape)
+    return merge(o_recv, lse_recv, out_dtype=torch.float32)
+
+
+def combine_ag_rs(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather lse, rescale, reduce-scatter over heads (the engines' "ag_rs").
+
+    o: (N, T, H, Dv) any float dtype, slice n = rank n's heads; lse: (N, T, H) float32.
+    returns o (T, H, Dv) float32, lse (T, H) float32.
+    The reduce-scatter sums in float32, so the result does not depend on N's
+    rounding order in the compute dtype.
+    """
+    n = o.shape[0]
+    all_lse = lse.new_empty((n * n, *lse.shape[1:]), dtype=torch.float32)
+    _all_gather(all_lse, lse.float().contiguous(), group=group)
+    all_lse = all_lse.view(n, *lse.shape)  # (src, dst, T, H)
+    total = torch.logsumexp(all_lse, dim=0)  # (dst, T, H)
+    w = _safe_exp_diff(lse.float(), total).unsqueeze(-1)
+    scaled = torch.where(w > 0, o.float() * w, 0.0)
+    out = o.new_empty(o.shape[1:], dtype=torch.float32)
+    _reduce_scatter(out, scaled.reshape(n * o.shape[1], *o.shape[2:]), group=group)
+    return out, total[rank]
+
+
+def to_rank_major(x: torch.Tensor, world_size: int, num_kv_heads: int) -> torch.Tensor:
+    """(T, H_kv*N*G, ...) kv-head-major context output -> (N, T, H_kv*G, ...) by owner rank."""
+    return rearrange(x, "t (k n g) ... -> n t (k g) ...", k=num_kv_heads, n=world_size)
+
+
+def from_rank_major(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """(N, T, H_kv*G, D) gathered queries -> (T, H_kv*N*G, D), kv-head-major.
+
+    Query head h of rank s reads KV head h // G; putting every rank's heads of
+    one KV head together keeps the usual GQA rule (head i reads i // (N*G)).
+    For MLA (one KV head) this is plain rank-major order.
+    """
+    return rearrange(x, "n t (k g) d -> t (k n g) d", k=num_kv_heads)

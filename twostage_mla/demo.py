@@ -1,0 +1,179 @@
+"""The main job: one realistic DCP step on N local processes, checked and timed.
+
+Starts N processes (gloo on CPUs; NCCL with one GPU per rank where there are
+enough GPUs), gives each its shard of a paged MLA cache with DeepSeek-V2-Lite's
+dimensions, runs the two-stage layer, compares every rank's heads with the
+float64 oracle and reports the error and the time of each phase.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.profiler import ProfilerActivity, profile
+
+from twostage_mla import synthetic
+from twostage_mla.layer import PHASES, AttentionConfig, TwoStageAttention
+from twostage_mla.layout import DCPLayout
+
+
+@dataclass(frozen=True)
+class DemoArgs:
+    world_size: int = 2
+    interleave: int = 1
+    heads: int = 16  # query heads of the model, split over the group (tensor parallel)
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    page_size: int = 64
+    batch: int = 8
+    min_context: int = 1000
+    max_context: int = 4000
+    max_q_len: int = 8
+    dtype: str = "auto"  # auto: bfloat16 on GPUs, float32 on CPUs
+    combine: str = "a2a"
+    backend: str = "auto"
+    device: str = "auto"  # auto: cuda if there are world_size GPUs, else cpu
+    iters: int = 5
+    seed: int = 0
+
+
+def resolve_device(world_size: int, device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"expected at least world_size = {world_size} GPUs for device='cuda', found {torch.cuda.device_count()}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"expected device 'auto', 'cpu' or 'cuda', got {device!r}")
+    return device
+
+
+def _step_shape(a: DemoArgs) -> tuple[list[int], list[int]]:
+    g = torch.Generator().manual_seed(a.seed)
+    ctx = torch.randint(a.min_context, a.max_context + 1, (a.batch,), generator=g).tolist()
+    # q_len 1 .. max_q_len, each value present when the batch is large enough.
+    ql = [1 + (i % a.max_q_len) for i in range(a.batch)]
+    return ctx, ql
+
+
+def _worker(rank: int, a: DemoArgs, device: str, init: str, out_path: str) -> None:
+    backend_name = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend_name, init_method=init, rank=rank, world_size=a.world_size)
+    try:
+        dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
+        dtype = getattr(torch, a.dtype)
+        scale = (a.kv_lora_rank + a.rope_dim) ** -0.5  # placeholder scale; the model's comes from its config
+        cfg = AttentionConfig.mla(
+            num_heads=a.heads // a.world_size, kv_lora_rank=a.kv_lora_rank, rope_dim=a.rope_dim,
+            page_size=a.page_size, scale=scale,
+        )
+        layout = DCPLayout(a.world_size, rank, a.interleave)
+        ctx, ql = _step_shape(a)
+        step = synthetic.make_step(
+            ctx, ql, heads=a.heads, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v, dtype=dtype, seed=a.seed
+        )
+        x = synthetic.rank_inputs(step, layout, a.page_size, mla=True, dtype=dtype, device=dev, seed=a.seed)
+        attn = TwoStageAttention(
+            cfg, layout, group=dist.group.WORLD, combine=a.combine, backend=a.backend, dtype=dtype, device=dev
+        )
+        t0 = time.perf_counter()
+        plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+        plan_s = time.perf_counter() - t0
+        out = attn(x.q, x.k, None, x.k_cache, None, plan)  # warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(a.iters):
+                out = attn(x.q, x.k, None, x.k_cache, None, plan)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(a.iters):
+            out = attn(x.q, x.k, None, x.k_cache, None, plan)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        layer_s = (time.perf_counter() - t0) / a.iters
+
+        h = cfg.num_heads
+        ref, _ = synthetic.oracle(step, scale) if rank == 0 else (None, None)
+        outs = [torch.empty_like(out) for _ in range(a.world_size)] if rank == 0 else None
+        dist.gather(out.contiguous() if device == "cpu" else out.contiguous(), outs, dst=0)
+        if rank == 0:
+            full = torch.cat([o.double().cpu() for o in outs], dim=1)
+            err = (full - ref).abs().max().item()
+            phases = {}
+            for e in prof.key_averages():
+                if e.key in PHASES:
+                    dev_us = getattr(e, "device_time_total", 0.0) if device == "cuda" else 0.0
+                    phases[e.key] = (dev_us or e.cpu_time_total) / a.iters
+            result = {
+                "max_abs_err": err,
+                "max_rel_err": err / ref.abs().max().item(),
+                "world_size": a.world_size,
+                "interleave": a.interleave,
+                "backend": attn.backend.name,
+                "combine": a.combine,
+                "dtype": a.dtype,
+                "device": device if device == "cpu" else torch.cuda.get_device_name(rank),
+                "dist_backend": backend_name,
+                "heads_per_rank": h,
+                "batch": a.batch,
+                "context_lens": ctx,
+                "q_lens": ql,
+                "tokens": plan.num_tokens,
+                "plan_ms": plan_s * 1e3,
+                "layer_ms": layer_s * 1e3,
+                "phase_us": {k: phases.get(k, 0.0) for k in PHASES},
+            }
+            torch.save(result, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_demo(args: DemoArgs) -> dict:
+    """Run the demo on ``args.world_size`` local processes; returns rank 0's report."""
+    if args.world_size < 1 or args.heads % args.world_size:
+        raise ValueError(
+            f"expected world_size >= 1 dividing heads = {args.heads}, got world_size = {args.world_size}"
+        )
+    device = resolve_device(args.world_size, args.device)
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"expected dtype in ('auto', 'float32', 'bfloat16', 'float16'), got {dtype!r}")
+    args = DemoArgs(**{**asdict(args), "dtype": dtype, "device": device})
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "result.pt")
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        mp.start_processes(_worker, args=(args, device, init, out_path), nprocs=args.world_size, start_method="spawn")
+        return torch.load(out_path)
+
+
+def format_report(r: dict) -> str:
+    lines = [
+        f"twostage-mla demo: N={r['world_size']} I={r['interleave']} backend={r['backend']} "
+        f"combine={r['combine']} dtype={r['dtype']} on {r['device']} ({r['dist_backend']})",
+        f"  batch {r['batch']}, {r['heads_per_rank']} heads per rank, contexts {min(r['context_lens'])}.."
+        f"{max(r['context_lens'])}, q_len {min(r['q_lens'])}..{max(r['q_lens'])} ({r['tokens']} tokens)",
+        f"  vs float64 oracle: max_abs_err {r['max_abs_err']:.3e}  max_rel_err {r['max_rel_err']:.3e}",
+        f"  plan {r['plan_ms']:.2f} ms (once per step), layer {r['layer_ms']:.2f} ms (rank 0, wall clock)",
+        "  phase                     time per layer (rank 0, profiler)",
+    ]
+    for k, v in r["phase_us"].items():
+        lines.append(f"    {k:<24}{v:>10.1f} us")
+    return "\n".join(lines)

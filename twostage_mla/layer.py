@@ -1,0 +1,244 @@
+"""The two-stage DCP attention layer: the one public entry point.
+
+Per step, ``plan = attn.plan(...)`` (host sync allowed, kernel plans built);
+per layer, ``out = attn(q, k, v, k_cache, v_cache, plan)``, which on rank r:
+
+1. query pass: q over the step's fresh K/V, causal, local heads -> (o_q, lse_q)
+   (overlapping 2.)
+2. all-gather q over the DCP group -> (T, N*H, D)
+3. context pass: gathered q over this rank's shard, non-causal -> (o_c, lse_c)
+4. combine across ranks by LSE (a2a or ag_rs) -> (o_ctx, lse_ctx), own heads
+5. merge with (o_q, lse_q) -> output
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from twostage_mla import comm
+from twostage_mla.backends import AttentionSpec, select_backend
+from twostage_mla.layout import DCPLayout
+from twostage_mla.plan import StepPlan, plan_step
+from twostage_mla.state import merge_state, merge_states
+
+
+# Profiler ranges of the per-layer call, in order (cheap when no profiler runs).
+PHASES = ("twostage.query_pass", "twostage.gather_q", "twostage.context_pass", "twostage.combine", "twostage.merge")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Shapes of one attention layer on one rank; no model sizes built in.
+
+    num_heads: query heads on this rank (after tensor parallelism), H.
+    head_dim: D of q and K (MLA: kv_lora_rank + rope_dim, e.g. 512 + 64).
+    head_dim_v: Dv of V and the output (MLA: kv_lora_rank).
+    num_kv_heads: H_kv; 1 for MLA.
+    kv_format: "mla" (V = K[..., :Dv], one cache tensor) or "gqa" (two caches).
+    page_size: tokens per cache page, a multiple of the interleave.
+    scale: softmax scale applied to q . k.
+    """
+
+    num_heads: int
+    head_dim: int
+    head_dim_v: int
+    page_size: int
+    scale: float
+    num_kv_heads: int = 1
+    kv_format: str = "mla"
+
+    @classmethod
+    def mla(cls, *, num_heads: int, kv_lora_rank: int, rope_dim: int, page_size: int, scale: float) -> AttentionConfig:
+        """MLA with absorbed queries: q (T, H, kv_lora_rank + rope_dim)."""
+        return cls(num_heads, kv_lora_rank + rope_dim, kv_lora_rank, page_size, scale, 1, "mla")
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_dim", "head_dim_v", "page_size", "num_kv_heads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"expected {name} to be a positive int, got {v!r}")
+        if self.kv_format not in ("mla", "gqa"):
+            raise ValueError(f"expected kv_format 'mla' or 'gqa', got {self.kv_format!r}")
+        if self.kv_format == "mla" and (self.num_kv_heads != 1 or self.head_dim_v > self.head_dim):
+            raise ValueError(
+                f"expected num_kv_heads == 1 and head_dim_v <= head_dim for MLA, got "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, head_dim_v={self.head_dim_v}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"expected num_heads to be a multiple of num_kv_heads = {self.num_kv_heads}, got {self.num_heads}"
+            )
+        if not self.scale > 0:
+            raise ValueError(f"expected scale > 0, got {self.scale!r}")
+
+
+def _check(name: str, t: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"expected {name} to be a tensor of shape {shape}, got {type(t).__name__}")
+    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+        raise ValueError(f"expected {name}.shape == {want}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise ValueError(f"expected {name}.dtype == {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"expected {name} on {device}, got {t.device}")
+
+
+class TwoStageAttention:
+    """Exact DCP attention for q_len >= 1 from a non-causal and a causal pass.
+
+    config: shapes of the layer (see :class:`AttentionConfig`).
+    layout: (N, r, I) of this rank.
+    group: the DCP process group (size N, this process at rank r); may be
+        None only when N == 1.
+    combine: "a2a" (one all-to-all of (o, lse) + local merge) or "ag_rs"
+        (all-gather lse, rescale, reduce-scatter).
+    backend: "auto" or a name from :func:`twostage_mla.backends.backend_names`.
+    dtype, device: of q, K/V and the cache.
+
+    One instance serves every layer with this config; ``plan`` once per step,
+    then call it per layer. Example (one rank, CPU)::
+
+        attn = TwoStageAttention(AttentionConfig.mla(num_heads=16, kv_lora_rank=512,
+                                 rope_dim=64, page_size=64, scale=0.1), DCPLayout())
+        plan = attn.plan(query_start_loc, seq_lens, block_table)
+        out = attn(q, kv_new, None, kv_cache, None, plan)   # (T, 16, 512)
+    """
+
+    def __init__(
+        self,
+        config: AttentionConfig,
+        layout: DCPLayout,
+        *,
+        group: dist.ProcessGroup | None = None,
+        combine: str = "a2a",
+        backend: str = "auto",
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if not isinstance(config, AttentionConfig):
+            raise ValueError(f"expected config to be an AttentionConfig, got {type(config).__name__}")
+        if not isinstance(layout, DCPLayout):
+            raise ValueError(f"expected layout to be a DCPLayout, got {type(layout).__name__}")
+        if config.page_size % layout.interleave:
+            raise ValueError(
+                f"expected page_size to be a multiple of interleave = {layout.interleave}, got {config.page_size}"
+            )
+        if combine not in comm.COMBINE_METHODS:
+            raise ValueError(f"expected combine in {comm.COMBINE_METHODS}, got {combine!r}")
+        if layout.world_size > 1:
+            if group is None:
+                raise ValueError(f"expected a process group of size {layout.world_size}, got group=None")
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
+            if (size, rank) != (layout.world_size, layout.rank):
+                raise ValueError(
+                    f"expected group of size {layout.world_size} with this process at rank "
+                    f"{layout.rank} (the layout), got size {size}, rank {rank}"
+                )
+        self.config, self.layout, self.group, self.combine = config, layout, group, combine
+        self.dtype, self.device = dtype, torch.device(device)
+        self.spec = AttentionSpec(
+            kv_format=config.kv_format,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            head_dim_v=config.head_dim_v,
+            page_size=config.page_size,
+            world_size=layout.world_size,
+            scale=config.scale,
+            dtype=dtype,
+            device=self.device,
+        )
+        self.backend = select_backend(self.spec, backend)(self.spec)
+
+    def plan(
+        self,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        *,
+        parents: torch.Tensor | None = None,
+    ) -> StepPlan:
+        """Per-step plan, shared by every layer (see :func:`plan_step`).
+
+        query_start_loc: (B+1,) int32; seq_lens: (B,) int32 global lengths
+        including the step's tokens; block_table: (B, max_pages) int32;
+        parents: optional (T,) int tree parents. All on this layer's device.
+        """
+        for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):
+            if isinstance(t, torch.Tensor) and t.device != self.device:
+                raise ValueError(f"expected {name} on {self.device}, got {t.device}")
+        plan = plan_step(
+            query_start_loc, seq_lens, block_table, page_size=self.config.page_size, layout=self.layout, parents=parents
+        )
+        state = self.backend.plan(plan)
+        return StepPlan(**{**plan.__dict__, "backend": self.backend.name, "backend_state": state})
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        plan: StepPlan,
+        *,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention of the step's queries over context + new tokens, local heads.
+
+        q: (T, H, D) dtype, this rank's heads (MLA: absorbed queries).
+        k: (T, H_kv, D) dtype, the step's fresh keys (MLA: the latent + rope).
+        v: (T, H_kv, Dv) dtype; None for MLA (V = k[..., :Dv]).
+        k_cache: (P, page_size, H_kv, D) dtype, this rank's shard.
+        v_cache: (P, page_size, H_kv, Dv) dtype; None for MLA.
+        plan: from :meth:`plan` for this step.
+        returns out (T, H, Dv) dtype, and lse (T, H) float32 if return_lse.
+
+        No host synchronisation: capturable in a CUDA graph once planned.
+        """
+        cfg, t = self.config, plan.num_tokens
+        if not isinstance(plan, StepPlan) or plan.backend != self.backend.name or plan.layout != self.layout:
+            raise ValueError(
+                f"expected plan from this layer's plan() (backend {self.backend.name!r}, {self.layout}), got "
+                + (f"backend {plan.backend!r}, {plan.layout}" if isinstance(plan, StepPlan) else type(plan).__name__)
+            )
+        if plan.page_size != cfg.page_size:
+            raise ValueError(f"expected plan.page_size == {cfg.page_size}, got {plan.page_size}")
+        hk, d, dv = cfg.num_kv_heads, cfg.head_dim, cfg.head_dim_v
+        _check("q", q, (t, cfg.num_heads, d), self.dtype, self.device)
+        _check("k", k, (t, hk, d), self.dtype, self.device)
+        _check("k_cache", k_cache, (None, cfg.page_size, hk, d), self.dtype, self.device)
+        if cfg.kv_format == "mla":
+            if v is not None or v_cache is not None:
+                raise ValueError("expected v=None and v_cache=None for MLA (V is the first head_dim_v values of K)")
+            v, v_cache = k[..., :dv], k_cache[..., :dv]
+        else:
+            _check("v", v, (t, hk, dv), self.dtype, self.device)
+            _check("v_cache", v_cache, (k_cache.shape[0], cfg.page_size, hk, dv), self.dtype, self.device)
+
+        n = self.layout.world_size
+        if n > 1:
+            gathered, work = comm.gather_queries(q, self.group, n)
+        with record_function(PHASES[0]):
+            o_q, lse_q = self.backend.query(q, k, v, plan)  # overlaps the all-gather
+        if n > 1:
+            with record_function(PHASES[1]):
+                work.wait()
+                q = comm.from_rank_major(gathered, hk)
+        with record_function(PHASES[2]):
+            o_c, lse_c = self.backend.context(q, k_cache, v_cache, plan)
+        if n > 1:
+            with record_function(PHASES[3]):
+                o_c, lse_c = comm.to_rank_major(o_c, n, hk), comm.to_rank_major(lse_c, n, hk)
+                if self.combine == "a2a":
+                    o_c, lse_c = comm.combine_a2a(o_c, lse_c, self.group, merge=merge_states)
+                else:
+                    o_c, lse_c = comm.combine_ag_rs(o_c, lse_c, self.group, rank=self.layout.rank)
+        with record_function(PHASES[4]):
+            out, lse = merge_state(o_c, lse_c, o_q, lse_q, out_dtype=self.dtype)
+        return (out, lse) if return_lse else out

@@ -1,0 +1,102 @@
+"""Where each token of a request lives under Decode Context Parallelism.
+
+A request's KV positions are dealt to the N ranks of the DCP group in runs of
+I tokens (the interleave): position p lives on rank ``(p // I) % N`` at local
+slot ``(p // (N*I)) * I + p % I``. Worked example, N = 2, I = 2::
+
+    position p     0 1 2 3 4 5 6 7 8
+    owner(p)       0 0 1 1 0 0 1 1 0
+    local_index(p) 0 1 0 1 2 3 2 3 4
+
+    local_len(9, 0) = 5  (positions 0 1 4 5 8),  local_len(9, 1) = 4
+
+Every function here works elementwise on integer tensors (or Python ints) and
+needs no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IntLike = int | torch.Tensor
+
+
+@dataclass(frozen=True)
+class DCPLayout:
+    """How positions are spread over a DCP group.
+
+    world_size: N, ranks in the DCP group (1 = no sharding).
+    rank: r, this process's rank inside the group, 0 <= r < N.
+    interleave: I, consecutive positions kept together on one rank.
+    """
+
+    world_size: int = 1
+    rank: int = 0
+    interleave: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"expected world_size >= 1 (an int), got {self.world_size!r}")
+        if not isinstance(self.interleave, int) or self.interleave < 1:
+            raise ValueError(f"expected interleave >= 1 (an int), got {self.interleave!r}")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"expected 0 <= rank < world_size = {self.world_size}, got rank={self.rank!r}"
+            )
+
+
+def owner(p: IntLike, world_size: int, interleave: int) -> IntLike:
+    """Rank that stores position ``p``: ``(p // I) % N``."""
+    return (p // interleave) % world_size
+
+
+def local_index(p: IntLike, world_size: int, interleave: int) -> IntLike:
+    """Slot of position ``p`` in its owner's shard: ``(p // (N*I)) * I + p % I``."""
+    return (p // (world_size * interleave)) * interleave + p % interleave
+
+
+def local_len(length: IntLike, world_size: int, interleave: int, rank: int) -> IntLike:
+    """How many of the positions ``0 .. length-1`` rank ``rank`` stores.
+
+    ``(L // (N*I)) * I + clamp(L - (L // (N*I)) * N*I - r*I, 0, I)``; e.g. with
+    N = 2, I = 2: local_len(9, ., 0) = 5 and local_len(9, ., 1) = 4.
+    """
+    stride = world_size * interleave
+    full = length // stride
+    rest = length - full * stride - rank * interleave
+    if isinstance(rest, torch.Tensor):
+        rest = rest.clamp(0, interleave)
+    else:
+        rest = min(max(rest, 0), interleave)
+    return full * interleave + rest
+
+
+def kv_slots(
+    positions: torch.Tensor,
+    request: torch.Tensor,
+    block_table: torch.Tensor,
+    page_size: int,
+    layout: DCPLayout,
+) -> torch.Tensor:
+    """Flat cache slot of each position on this rank, or -1 where another rank owns it.
+
+    positions: (T,) int, position of each token in its request.
+    request: (T,) int, the request (row of ``block_table``) each token belongs to.
+    block_table: (B, max_pages) int32, this rank's pages per request.
+    returns: (T,) int64; slot s means ``cache.view(-1, ...)[s]``, i.e. page
+        ``s // page_size``, offset ``s % page_size``.
+
+    Use it to write the step's new K/V (or a prefill) into this rank's shard:
+    ``keep = slots >= 0; cache.view(-1, H, D)[slots[keep]] = k[keep]``.
+    """
+    n, i = layout.world_size, layout.interleave
+    positions = positions.long()
+    li = local_index(positions, n, i)
+    # Positions owned elsewhere can index past this rank's table: clamp, then mask.
+    col = (li // page_size).clamp(max=block_table.shape[1] - 1)
+    page = block_table.long()[request.long(), col]
+    slots = page * page_size + li % page_size
+    mine = owner(positions, n, i) == layout.rank
+    return torch.where(mine, slots, torch.full_like(slots, -1))

@@ -1,0 +1,71 @@
+"""Float64 dense oracle: attention with the true causal mask over unsharded KV.
+
+Use it to check an integration: shard the same K/V, run the layer on every
+rank, and compare each rank's heads with the oracle's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from twostage_mla.plan import _ancestor_mask
+
+
+def oracle_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    parents: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of every query over its request's whole, unsharded KV.
+
+    q: (T, H, D), all heads; the Q_b queries of request b are its last Q_b
+        positions C_b .. seq_lens[b]-1.
+    k: (S, H_kv, D), v: (S, H_kv, Dv): every request's positions 0 .. seq_lens[b]-1,
+        requests concatenated (S = seq_lens.sum()); for MLA pass
+        v = k[..., :kv_lora_rank] with H_kv = 1.
+    query_start_loc: (B+1,) int; seq_lens: (B,) int.
+    parents: optional (T,) int tree parents as in :func:`plan_step`; query j
+        then sees the context and its ancestors-or-self among the new tokens.
+    returns o (T, H, Dv) float64, lse (T, H) float64 (natural log).
+
+    >>> q, kv = torch.randn(3, 4, 8), torch.randn(10, 1, 8)
+    >>> o, lse = oracle_attention(q, kv, kv[..., :6], torch.tensor([0, 3]), torch.tensor([10]), 0.3)
+    >>> o.shape, lse.shape
+    (torch.Size([3, 4, 6]), torch.Size([3, 4]))
+    """
+    qsl = query_start_loc.tolist()
+    sl = seq_lens.tolist()
+    h, hk = q.shape[1], k.shape[1]
+    g = h // hk
+    o = torch.zeros(q.shape[0], h, v.shape[-1], dtype=torch.float64)
+    lse = torch.full((q.shape[0], h), float("-inf"), dtype=torch.float64)
+    tree = None
+    if parents is not None:
+        tree = _ancestor_mask(parents.cpu().long(), qsl, max(b - a for a, b in zip(qsl, qsl[1:])))
+    start = 0
+    for b in range(len(sl)):
+        t0, t1, n = qsl[b], qsl[b + 1], sl[b]
+        nq, ctx = t1 - t0, n - (t1 - t0)
+        kb = k[start : start + n].double().cpu().repeat_interleave(g, dim=1)  # (n, H, D)
+        vb = v[start : start + n].double().cpu().repeat_interleave(g, dim=1)
+        start += n
+        if nq == 0:
+            continue
+        j = torch.arange(nq)[:, None]
+        p = torch.arange(n)[None, :]
+        if tree is None:
+            mask = p <= ctx + j
+        else:
+            new = torch.zeros(nq, n, dtype=torch.bool)
+            new[:, ctx:] = tree[b, :nq, :nq]
+            mask = (p < ctx) | new
+        s = torch.einsum("thd,nhd->htn", q[t0:t1].double().cpu(), kb) * scale
+        s = s.masked_fill(~mask, float("-inf"))
+        lse_b = torch.logsumexp(s, dim=-1)  # (H, nq)
+        o[t0:t1] = torch.einsum("htn,nhd->thd", torch.softmax(s, dim=-1), vb)
+        lse[t0:t1] = lse_b.T
+    return o, lse

@@ -1,0 +1,195 @@
+"""Per-step metadata: built once per decode step, shared by every layer.
+
+All host synchronisation of a step happens here (reading lengths to check them
+and to size buffers), so the per-layer call never has to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from twostage_mla.layout import DCPLayout, kv_slots, local_len
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Lengths and indices of one step, for one rank of the DCP group.
+
+    For request b with context C_b and Q_b new tokens (seq_len = C_b + Q_b)::
+
+        position   0 1 2 ......... C_b-1 | C_b ...... C_b+Q_b-1
+                   context: sharded cache | new tokens: fresh K/V of this step
+                   non-causal pass        | causal pass (or tree mask)
+
+        context_lens[b]       = C_b
+        local_context_lens[b] = local_len(C_b, r): slots 0.. of this rank's
+                                shard that the context pass reads
+        query_start_loc[b]    = first token of request b in q (T tokens in all)
+
+    Tensors live on the device of ``query_start_loc``; ints are host values.
+    ``backend_state`` holds kernel plans of the backend named ``backend``.
+    """
+
+    layout: DCPLayout
+    page_size: int
+    num_tokens: int  # T
+    batch_size: int  # B
+    max_q_len: int
+    max_context_len: int
+    max_local_context_len: int
+    query_start_loc: torch.Tensor  # (B+1,) int32
+    seq_lens: torch.Tensor  # (B,) int32
+    q_lens: torch.Tensor  # (B,) int32
+    context_lens: torch.Tensor  # (B,) int32, global C_b
+    local_context_lens: torch.Tensor  # (B,) int32, on this rank
+    block_table: torch.Tensor  # (B, max_pages) int32, this rank's pages
+    token_request: torch.Tensor  # (T,) int64, request of each token
+    token_offset: torch.Tensor  # (T,) int64, j: index of the token within its request
+    query_mask: torch.Tensor | None = None  # (B, max_q_len, max_q_len) bool; None = causal
+    backend: str | None = None
+    backend_state: Any = None
+
+    def new_token_slots(self) -> torch.Tensor:
+        """(T,) int64: flat slot of each new token in this rank's cache, -1 if not here.
+
+        Write the step's K/V into the shard with
+        ``keep = s >= 0; cache.view(-1, H_kv, D)[s[keep]] = k[keep]``.
+        """
+        positions = self.context_lens.long()[self.token_request] + self.token_offset
+        return kv_slots(positions, self.token_request, self.block_table, self.page_size, self.layout)
+
+
+def _int_tensor(name: str, x: Any, dim: int) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.dim() != dim or x.dtype.is_floating_point or x.is_complex():
+        got = f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"expected {name} to be a {dim}-D integer tensor, got {got}")
+    return x
+
+
+def _ancestor_mask(parents: torch.Tensor, qsl: list[int], max_q: int) -> torch.Tensor:
+    """(B, max_q, max_q) bool: [b, j, i] = token i is token j or one of its ancestors."""
+    b = len(qsl) - 1
+    mask = torch.zeros(b, max_q, max_q, dtype=torch.bool)
+    par = parents.tolist()
+    for r in range(b):
+        for j in range(qsl[r + 1] - qsl[r]):
+            mask[r, j, j] = True
+            p = par[qsl[r] + j]
+            if p >= 0:
+                mask[r, j] |= mask[r, p]  # parents come first, so row p is complete
+    return mask
+
+
+def plan_step(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    page_size: int,
+    layout: DCPLayout,
+    parents: torch.Tensor | None = None,
+) -> StepPlan:
+    """Check a step's metadata and derive what both passes need.
+
+    query_start_loc: (B+1,) int, cumulative query counts, starting at 0.
+    seq_lens: (B,) int, global sequence length of each request *including* the
+        step's new tokens (so context C_b = seq_lens[b] - q_len_b).
+    block_table: (B, max_pages) int, this rank's page ids; must cover
+        local_len(seq_lens[b], r) slots, so the new tokens can be written too.
+    page_size: tokens per page, a multiple of layout.interleave.
+    layout: (N, r, I) of this rank.
+    parents: optional (T,) int, tree speculation: parent of each new token as
+        an index within its request (-1: a root, sees only the context and
+        itself); parents precede children. None means a causal chain.
+
+    Raises ValueError naming the argument for any inconsistency. Syncs with
+    the host (it reads the lengths), once per step.
+    """
+    if not isinstance(layout, DCPLayout):
+        raise ValueError(f"expected layout to be a DCPLayout, got {type(layout).__name__}")
+    qsl_t = _int_tensor("query_start_loc", query_start_loc, 1)
+    sl_t = _int_tensor("seq_lens", seq_lens, 1)
+    bt = _int_tensor("block_table", block_table, 2)
+    if not isinstance(page_size, int) or page_size < 1 or page_size % layout.interleave:
+        raise ValueError(
+            f"expected page_size to be a positive multiple of interleave = {layout.interleave}, "
+            f"got {page_size!r}"
+        )
+    b = sl_t.shape[0]
+    if qsl_t.shape[0] != b + 1:
+        raise ValueError(f"expected query_start_loc.shape == (B+1,) = ({b + 1},), got {tuple(qsl_t.shape)}")
+    if bt.shape[0] != b:
+        raise ValueError(f"expected block_table.shape[0] == B = {b}, got {tuple(bt.shape)}")
+    device = qsl_t.device
+    for name, t in (("seq_lens", sl_t), ("block_table", bt)):
+        if t.device != device:
+            raise ValueError(f"expected {name} on {device} like query_start_loc, got {t.device}")
+
+    qsl = qsl_t.tolist()
+    sl = sl_t.tolist()
+    if qsl[0] != 0:
+        raise ValueError(f"expected query_start_loc[0] == 0, got {qsl[0]}")
+    q_lens = [qsl[i + 1] - qsl[i] for i in range(b)]
+    for i in range(b):
+        if q_lens[i] < 0:
+            raise ValueError(f"expected query_start_loc non-decreasing, got q_len {q_lens[i]} for request {i}")
+        if sl[i] < 0:
+            raise ValueError(f"expected seq_lens >= 0, got seq_lens[{i}] = {sl[i]}")
+        if q_lens[i] > sl[i]:
+            raise ValueError(
+                f"expected q_len <= seq_len for every request, got q_len {q_lens[i]} > "
+                f"seq_lens[{i}] = {sl[i]} (seq_lens counts the step's new tokens too)"
+            )
+    n, r, il = layout.world_size, layout.rank, layout.interleave
+    need = [-(-local_len(s, n, il, r) // page_size) for s in sl]
+    if b and max(need) > bt.shape[1]:
+        i = need.index(max(need))
+        raise ValueError(
+            f"expected block_table with at least {need[i]} pages per request, got "
+            f"{bt.shape[1]}: request {i} keeps local_len(seq_len={sl[i]}) = "
+            f"{local_len(sl[i], n, il, r)} tokens on rank {r} at page_size {page_size}"
+        )
+
+    t = qsl[-1]
+    ctx = [s - q for s, q in zip(sl, q_lens)]
+    local_ctx = [local_len(c, n, il, r) for c in ctx]
+    q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+    token_request = torch.repeat_interleave(torch.arange(b), q_lens_t)
+    token_offset = torch.arange(t) - torch.tensor(qsl[:-1], dtype=torch.int64)[token_request]
+    max_q = max(q_lens, default=0)
+
+    query_mask = None
+    if parents is not None:
+        par = _int_tensor("parents", parents, 1)
+        if par.shape[0] != t:
+            raise ValueError(f"expected parents.shape == (T,) = ({t},), got {tuple(par.shape)}")
+        par_h = par.cpu().long()
+        if bool(((par_h < -1) | (par_h >= token_offset)).any()):
+            raise ValueError(
+                "expected parents[t] == -1 or 0 <= parents[t] < t's index in its request "
+                f"(parents before children), got {par_h.tolist()}"
+            )
+        query_mask = _ancestor_mask(par_h, qsl, max_q).to(device)
+
+    i32 = dict(dtype=torch.int32, device=device)
+    return StepPlan(
+        layout=layout,
+        page_size=page_size,
+        num_tokens=t,
+        batch_size=b,
+        max_q_len=max_q,
+        max_context_len=max(ctx, default=0),
+        max_local_context_len=max(local_ctx, default=0),
+        query_start_loc=qsl_t.to(torch.int32),
+        seq_lens=sl_t.to(torch.int32),
+        q_lens=q_lens_t.to(**i32),
+        context_lens=torch.tensor(ctx, **i32),
+        local_context_lens=torch.tensor(local_ctx, **i32),
+        block_table=bt.to(torch.int32),
+        token_request=token_request.to(device),
+        token_offset=token_offset.to(device),
+        query_mask=query_mask,
+    )

@@ -1,0 +1,116 @@
+"""Attention states and their log-sum-exp algebra.
+
+An attention state over a key set S is ``(o, lse)`` with
+
+    lse = log(sum_{k in S} exp(s_k))          natural log, float32, (T, H)
+    o   = sum_{k in S} exp(s_k - lse) v_k      compute dtype, (T, H, Dv)
+
+for scores ``s_k = scale * q . k``. For disjoint key sets A and B the state of
+A u B is
+
+    lse = log(exp(lse_a) + exp(lse_b))
+    o   = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b
+
+The empty set has the state ``(0, -inf)``; merging it changes nothing, and
+merging two empty states gives the empty state (never NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def normalize_lse(lse: torch.Tensor, *, base2: bool = False) -> torch.Tensor:
+    """Bring a kernel's lse to this library's convention.
+
+    lse: any shape, any float dtype, as the kernel returned it (rows with no
+        keys may hold +inf, -inf or NaN depending on the kernel).
+    base2: the kernel returned log2 (FlashInfer's default).
+    returns: same shape, float32, natural log, -inf for rows with no keys.
+    """
+    lse = lse.float()
+    if base2:
+        lse = lse * torch.log(torch.tensor(2.0, dtype=torch.float32, device=lse.device))
+    bad = torch.isnan(lse) | torch.isposinf(lse)
+    return lse.masked_fill(bad, NEG_INF)
+
+
+def _weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merged lse and per-state weights over dim 0; safe when all are -inf."""
+    lse = torch.logsumexp(lses, dim=0)
+    # Where every state is empty, logsumexp is -inf and lses - lse is NaN:
+    # subtract 0 instead, so each weight is exp(-inf) = 0.
+    finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return lse, torch.exp(lses - finite)
+
+
+def merge_states(
+    o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge K states over disjoint key sets, stacked on dim 0.
+
+    o: (K, T, H, Dv) any float dtype.
+    lse: (K, T, H) float32, natural log, -inf for empty states.
+    out_dtype: dtype of the merged o (default: o's dtype).
+    returns: o (T, H, Dv) out_dtype, lse (T, H) float32.
+
+    >>> o, lse = merge_states(torch.randn(3, 5, 2, 8), torch.randn(3, 5, 2))
+    >>> o.shape, lse.shape
+    (torch.Size([5, 2, 8]), torch.Size([5, 2]))
+    """
+    if o.dim() != 4 or lse.shape != o.shape[:3]:
+        raise ValueError(
+            f"expected o: (K, T, H, Dv) and lse: (K, T, H) = {tuple(o.shape[:3])}, "
+            f"got o {tuple(o.shape)} and lse {tuple(lse.shape)}"
+        )
+    merged_lse, w = _weights(lse.float())
+    w = w.unsqueeze(-1)
+    # An empty state's o may be garbage (some kernels write NaN): weight 0 must win.
+    merged = torch.where(w > 0, o.float() * w, 0.0).sum(dim=0)
+    return merged.to(out_dtype or o.dtype), merged_lse
+
+
+def merge_state(
+    o_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    o_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two states over disjoint key sets.
+
+    o_a, o_b: (T, H, Dv) any float dtype.
+    lse_a, lse_b: (T, H) float32, natural log.
+    returns: o (T, H, Dv) out_dtype (default o_a's dtype), lse (T, H) float32.
+
+    >>> o, lse = merge_state(torch.randn(5, 2, 8), torch.randn(5, 2),
+    ...                      torch.randn(5, 2, 8), torch.randn(5, 2))
+    >>> o.shape, lse.shape
+    (torch.Size([5, 2, 8]), torch.Size([5, 2]))
+    """
+    if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape or lse_a.shape != o_a.shape[:2]:
+        raise ValueError(
+            f"expected o_a, o_b: (T, H, Dv) alike and lse_a, lse_b: (T, H); got o_a "
+            f"{tuple(o_a.shape)}, o_b {tuple(o_b.shape)}, lse_a {tuple(lse_a.shape)}, "
+            f"lse_b {tuple(lse_b.shape)}"
+        )
+    return merge_states(
+        torch.stack([o_a.float(), o_b.float()]),
+        torch.stack([lse_a.float(), lse_b.float()]),
+        out_dtype=out_dtype or o_a.dtype,
+    )
+
+
+def merge_state_(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> None:
+    """In-place :func:`merge_state`: (o_a, lse_a) becomes the merged state.
+
+    o_a: (T, H, Dv), lse_a: (T, H) float32 (both written); o_b, lse_b as o_a, lse_a.
+    """
+    o, lse = merge_state(o_a, lse_a, o_b, lse_b)
+    o_a.copy_(o)
+    lse_a.copy_(lse)
