@@ -48,7 +48,9 @@ def resolve_device(world_size: int, device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
     if device == "cuda" and torch.cuda.device_count() < world_size:
-        raise ValueError(f"expected at least world_size = {world_size} GPUs for device='cuda', found {torch.cuda.device_count()}")
+        raise ValueError(
+            f"expected at least world_size = {world_size} GPUs for device='cuda', found {torch.cuda.device_count()}"
+        )
     if device not in ("cpu", "cuda"):
         raise ValueError(f"expected device 'auto', 'cpu' or 'cuda', got {device!r}")
     return device
@@ -72,8 +74,11 @@ def _worker(rank: int, a: DemoArgs, device: str, init: str, out_path: str) -> No
         dtype = getattr(torch, a.dtype)
         scale = (a.kv_lora_rank + a.rope_dim) ** -0.5  # placeholder scale; the model's comes from its config
         cfg = AttentionConfig.mla(
-            num_heads=a.heads // a.world_size, kv_lora_rank=a.kv_lora_rank, rope_dim=a.rope_dim,
-            page_size=a.page_size, scale=scale,
+            num_heads=a.heads // a.world_size,
+            kv_lora_rank=a.kv_lora_rank,
+            rope_dim=a.rope_dim,
+            page_size=a.page_size,
+            scale=scale,
         )
         layout = DCPLayout(a.world_size, rank, a.interleave)
         ctx, ql = _step_shape(a)
@@ -149,9 +154,7 @@ def _free_port() -> int:
 def run_demo(args: DemoArgs) -> dict:
     """Run the demo on ``args.world_size`` local processes; returns rank 0's report."""
     if args.world_size < 1 or args.heads % args.world_size:
-        raise ValueError(
-            f"expected world_size >= 1 dividing heads = {args.heads}, got world_size = {args.world_size}"
-        )
+        raise ValueError(f"expected world_size >= 1 dividing heads = {args.heads}, got world_size = {args.world_size}")
     device = resolve_device(args.world_size, args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     if dtype not in ("float32", "bfloat16", "float16"):

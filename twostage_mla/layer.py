@@ -25,7 +25,6 @@ from twostage_mla.layout import DCPLayout
 from twostage_mla.plan import StepPlan, plan_step
 from twostage_mla.state import merge_state, merge_states
 
-
 # Profiler ranges of the per-layer call, in order (cheap when no profiler runs).
 PHASES = ("twostage.query_pass", "twostage.gather_q", "twostage.context_pass", "twostage.combine", "twostage.merge")
 
@@ -201,12 +200,12 @@ class TwoStageAttention:
 
         No host synchronisation: capturable in a CUDA graph once planned.
         """
-        cfg, t = self.config, plan.num_tokens
         if not isinstance(plan, StepPlan) or plan.backend != self.backend.name or plan.layout != self.layout:
             raise ValueError(
                 f"expected plan from this layer's plan() (backend {self.backend.name!r}, {self.layout}), got "
                 + (f"backend {plan.backend!r}, {plan.layout}" if isinstance(plan, StepPlan) else type(plan).__name__)
             )
+        cfg, t = self.config, plan.num_tokens
         if plan.page_size != cfg.page_size:
             raise ValueError(f"expected plan.page_size == {cfg.page_size}, got {plan.page_size}")
         hk, d, dv = cfg.num_kv_heads, cfg.head_dim, cfg.head_dim_v

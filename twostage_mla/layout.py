@@ -42,9 +42,7 @@ class DCPLayout:
         if not isinstance(self.interleave, int) or self.interleave < 1:
             raise ValueError(f"expected interleave >= 1 (an int), got {self.interleave!r}")
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
-            raise ValueError(
-                f"expected 0 <= rank < world_size = {self.world_size}, got rank={self.rank!r}"
-            )
+            raise ValueError(f"expected 0 <= rank < world_size = {self.world_size}, got rank={self.rank!r}")
 
 
 def owner(p: IntLike, world_size: int, interleave: int) -> IntLike:

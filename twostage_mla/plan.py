@@ -115,8 +115,7 @@ def plan_step(
     bt = _int_tensor("block_table", block_table, 2)
     if not isinstance(page_size, int) or page_size < 1 or page_size % layout.interleave:
         raise ValueError(
-            f"expected page_size to be a positive multiple of interleave = {layout.interleave}, "
-            f"got {page_size!r}"
+            f"expected page_size to be a positive multiple of interleave = {layout.interleave}, got {page_size!r}"
         )
     b = sl_t.shape[0]
     if qsl_t.shape[0] != b + 1:

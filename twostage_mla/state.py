@@ -104,9 +104,7 @@ def merge_state(
     )
 
 
-def merge_state_(
-    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
-) -> None:
+def merge_state_(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
     """In-place :func:`merge_state`: (o_a, lse_a) becomes the merged state.
 
     o_a: (T, H, Dv), lse_a: (T, H) float32 (both written); o_b, lse_b as o_a, lse_a.

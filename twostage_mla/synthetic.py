@@ -70,7 +70,11 @@ def make_step(
     starts = [0]
     for n in seq[:-1]:
         starts.append(starts[-1] + n)
-    rows = torch.cat([torch.arange(st + c, st + c + q_) for st, c, q_ in zip(starts, context_lens, q_lens)]) if t else torch.zeros(0, dtype=torch.long)
+    rows = (
+        torch.cat([torch.arange(st + c, st + c + q_) for st, c, q_ in zip(starts, context_lens, q_lens)])
+        if t
+        else torch.zeros(0, dtype=torch.long)
+    )
     parents = None
     if tree:
         # Token j's parent: any earlier token of its request, or -1 (a root).
@@ -79,9 +83,14 @@ def make_step(
     return SyntheticStep(q, kv, v, qsl, torch.tensor(seq, dtype=torch.int32), rows, parents)
 
 
-def oracle(step: SyntheticStep, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 (o (T, H_total, Dv), lse (T, H_total)) of the whole step."""
-    return oracle_attention(step.q, step.kv, step.v, step.query_start_loc, step.seq_lens, scale, step.parents)
+def oracle(step: SyntheticStep, scale: float, heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 (o (T, h, Dv), lse (T, h)) of the step for the query heads ``heads``.
+
+    Pass one rank's slice for GQA: each rank's heads read the group's KV heads
+    with the grouping of that rank (head h -> KV head h // (H / H_kv)).
+    """
+    q = step.q[:, heads]
+    return oracle_attention(q, step.kv, step.v, step.query_start_loc, step.seq_lens, scale, step.parents)
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,14 @@ def rank_inputs(
     k_cache, bt = build_shard(step.kv, step.seq_lens, layout, page_size, extra_pages=2, generator=g)
     v_cache = None
     if not mla:
-        v_cache, bt_v = build_shard(step.v, step.seq_lens, layout, page_size, extra_pages=2, generator=torch.Generator().manual_seed(seed + 7919 * layout.rank))
+        v_cache, bt_v = build_shard(
+            step.v,
+            step.seq_lens,
+            layout,
+            page_size,
+            extra_pages=2,
+            generator=torch.Generator().manual_seed(seed + 7919 * layout.rank),
+        )
         assert torch.equal(bt, bt_v)
     rows = step.new_token_rows
 

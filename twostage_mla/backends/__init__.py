@@ -35,5 +35,6 @@ def select_backend(spec: AttentionSpec, name: str = "auto") -> type[AttentionBac
         if not why[b.name]:
             return b
     lines = "\n".join(f"  {n}: {'; '.join(r)}" for n, r in why.items())
-    raise ValueError(f"no backend {'fits' if name == 'auto' else repr(name) + ' cannot serve'} {spec.summary()}:\n{lines}")
+    what = "no backend fits" if name == "auto" else f"backend {name!r} cannot serve"
+    raise ValueError(f"{what} {spec.summary()}:\n{lines}")
 

@@ -105,9 +105,7 @@ class AttentionBackend:
         """Per-step kernel plans (built once, reused by every layer); None if none."""
         return None
 
-    def context(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan
-    ) -> State:
+    def context(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan) -> State:
         """Non-causal pass over this rank's shard.
 
         q: (T, world_size*num_heads, D), heads ordered kv-head-major (see layer).

@@ -49,9 +49,7 @@ class ReferenceBackend(AttentionBackend):
     dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
     kv_formats = ("mla", "gqa")
 
-    def context(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan
-    ) -> State:
+    def context(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan) -> State:
         ps, n = plan.page_size, plan.max_local_context_len
         idx = torch.arange(n, device=q.device)
         visible = idx[None, :] < plan.local_context_lens[:, None].long()  # (B, n)

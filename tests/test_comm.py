@@ -1,0 +1,65 @@
+"""Collectives on real gloo groups: both combines equal a local merge of all states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist_helpers import run_ranks
+from twostage_mla import comm
+from twostage_mla.state import merge_states
+
+
+def _states(world: int, dtype: torch.dtype):
+    """Every rank's (o, lse) for every destination: (src, dst, T, H, Dv), (src, dst, T, H)."""
+    g = torch.Generator().manual_seed(3)
+    o = torch.randn(world, world, 5, 3, 8, generator=g).to(dtype)
+    lse = torch.randn(world, world, 5, 3, generator=g) * 3
+    lse[:, :, 0] = float("-inf")  # token 0: empty on every rank
+    lse[0, :, 1] = float("-inf")  # token 1: empty on rank 0 (a short context)
+    o[0, :, 1] = float("nan")  # garbage where empty must not leak
+    return o, lse
+
+
+def _combine(rank: int, world: int, dtype: torch.dtype) -> dict:
+    import torch.distributed as dist
+
+    o, lse = _states(world, dtype)
+    out = {}
+    for name in comm.COMBINE_METHODS:
+        if name == "a2a":
+            res = comm.combine_a2a(o[rank], lse[rank], dist.group.WORLD)
+        else:
+            res = comm.combine_ag_rs(o[rank], lse[rank], dist.group.WORLD, rank=rank)
+        out[name] = res
+    q = torch.full((4, 2, 6), float(rank)).to(dtype)
+    buf, work = comm.gather_queries(q, dist.group.WORLD, world)
+    work.wait()
+    out["gathered"] = buf
+    return out
+
+
+@pytest.mark.parametrize("world,dtype", [(3, torch.float32), (2, torch.bfloat16)])
+def test_combines_equal_local_merge(world, dtype):
+    o, lse = _states(world, dtype)
+    for rank, res in enumerate(run_ranks(world, _combine, dtype)):
+        ref_o, ref_lse = merge_states(o[:, rank], lse[:, rank], out_dtype=torch.float32)
+        for name in comm.COMBINE_METHODS:
+            got_o, got_lse = res[name]
+            assert got_o.dtype == torch.float32 and got_lse.dtype == torch.float32
+            assert not got_o.isnan().any(), name
+            torch.testing.assert_close(got_o, ref_o, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got_lse, ref_lse)
+            assert torch.equal(got_o[0], torch.zeros_like(got_o[0])) and torch.isneginf(got_lse[0]).all()
+        # rank-major: slice s holds rank s's queries
+        assert [res["gathered"][s].unique().tolist() for s in range(world)] == [[float(s)] for s in range(world)]
+
+
+def test_head_order_round_trip():
+    x = torch.arange(2 * 3 * 6 * 4).view(2, 3, 6, 4)  # (N=2, T=3, H=6 as 2 kv heads x 3, D)
+    kv_major = comm.from_rank_major(x, num_kv_heads=2)
+    assert kv_major.shape == (3, 12, 4)
+    # kv head 0 block = rank 0's heads 0..2 then rank 1's heads 0..2
+    torch.testing.assert_close(kv_major[:, :3], x[0, :, :3])
+    torch.testing.assert_close(kv_major[:, 3:6], x[1, :, :3])
+    torch.testing.assert_close(comm.to_rank_major(kv_major, world_size=2, num_kv_heads=2), x)

@@ -1,0 +1,46 @@
+"""The main job end to end, as a new user runs it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+SMALL = ["--batch", "4", "--min-context", "100", "--max-context", "300", "--heads", "4", "--iters", "1"]
+
+
+def demo(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "twostage_mla", "demo", *args], capture_output=True, text=True, timeout=240
+    )
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_demo_json(dtype, tol):
+    r = demo("--json", "--dtype", dtype, "--interleave", "4", "--combine", "ag_rs", *SMALL)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["world_size"] == 2 and report["backend"] == "reference" and report["dtype"] == dtype
+    assert 0 < report["max_rel_err"] <= tol
+    assert set(report["phase_us"]) >= {"twostage.query_pass", "twostage.context_pass", "twostage.combine"}
+
+
+def test_demo_report_and_errors():
+    r = demo(
+        "--world-size",
+        "3",
+        "--heads",
+        "6",
+        "--batch",
+        "3",
+        "--min-context",
+        "50",
+        "--max-context",
+        "90",
+        "--iters",
+        "1",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "max_rel_err" in r.stdout and "N=3" in r.stdout
+    bad = demo("--world-size", "3", "--heads", "16")
+    assert bad.returncode == 2 and "expected world_size >= 1 dividing heads = 16, got world_size = 3" in bad.stderr

@@ -1,0 +1,166 @@
+"""The whole layer on real multi-process gloo groups, against the float64 oracle."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_helpers import run_ranks
+from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention, synthetic
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def cases(world: int) -> list[dict]:
+    """A covering grid: every (I, page size) with both formats, both combines, both dtypes."""
+    rng = random.Random(world)
+    out = []
+    for n, (il, ps) in enumerate([(1, 1), (1, 16), (2, 2), (2, 8), (16, 16), (16, 32)]):
+        for fmt, combine in itertools.product(("mla", "gqa"), ("a2a", "ag_rs")):
+            span = world * il
+            # contexts: empty, shorter than N*I (empty shards), around N*I, longer
+            ctx = [0, rng.randrange(1, span + 1), span, rng.randrange(span, 6 * span + 40)]
+            ql = [rng.randint(1, 16) for _ in ctx]
+            ql[rng.randrange(len(ql))] = 16
+            out.append(
+                dict(
+                    il=il,
+                    ps=ps,
+                    fmt=fmt,
+                    combine=combine,
+                    ctx=ctx,
+                    ql=ql,
+                    dtype=(torch.float32, torch.bfloat16)[(n + len(out)) % 2],
+                    tree=len(out) % 3 == 0,
+                    seed=len(out),
+                )
+            )
+    return out
+
+
+def _grid(rank: int, world: int, grid: list[dict]) -> list[tuple[dict, float]]:
+    results = []
+    for c in grid:
+        mla = c["fmt"] == "mla"
+        # MLA: 2 heads per rank, D = 16 + 8; GQA: 4 heads per rank over 2 KV heads, D=16, Dv=8
+        h, hk, d, dv = (2, 1, 24, 16) if mla else (4, 2, 16, 8)
+        cfg = AttentionConfig(h, d, dv, c["ps"], d**-0.5, hk, c["fmt"])
+        layout = DCPLayout(world, rank, c["il"])
+        step = synthetic.make_step(
+            c["ctx"],
+            c["ql"],
+            heads=h * world,
+            head_dim=d,
+            head_dim_v=dv,
+            kv_heads=hk,
+            mla=mla,
+            tree=c["tree"],
+            dtype=c["dtype"],
+            seed=c["seed"],
+        )
+        x = synthetic.rank_inputs(step, layout, c["ps"], mla=mla, dtype=c["dtype"], device="cpu", seed=c["seed"])
+        attn = TwoStageAttention(cfg, layout, group=dist.group.WORLD, combine=c["combine"], dtype=c["dtype"])
+        plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)
+        out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
+        ref_o, ref_lse = synthetic.oracle(step, cfg.scale, slice(rank * h, (rank + 1) * h))
+        assert out.dtype == c["dtype"] and lse.dtype == torch.float32
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        rel = ((out.double() - ref_o).abs().max() / ref_o.abs().max()).item()
+        lse_err = (lse.double() - ref_lse).abs().max().item()
+        results.append((c, rel, lse_err))
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_layer_matches_oracle(world):
+    grid = cases(world)
+    for rank_results in run_ranks(world, _grid, grid):
+        for c, rel, lse_err in rank_results:
+            assert rel <= TOL[c["dtype"]], (c, rel)
+            assert lse_err <= 1e-4, (c, lse_err)
+
+
+def _bad_inputs(rank: int, world: int) -> list[str]:
+    """Every rank makes the same mistakes; each must raise before any collective."""
+    layout = DCPLayout(world, rank, 2)
+    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    step = synthetic.make_step([5, 9], [2, 3], heads=2 * world, head_dim=24, head_dim_v=16, seed=1)
+    x = synthetic.rank_inputs(step, layout, 4, mla=True, dtype=torch.float32, device="cpu")
+    attn = TwoStageAttention(cfg, layout, group=dist.group.WORLD, dtype=torch.float32)
+    plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    messages = []
+
+    def expect(fn, *args, **kwargs):
+        try:
+            fn(*args, **kwargs)
+        except ValueError as e:
+            messages.append(str(e))
+        else:
+            messages.append("no error")
+
+    expect(attn, x.q[:, :1], x.k, None, x.k_cache, None, plan)  # head count
+    expect(attn, x.q[:-1], x.k, None, x.k_cache, None, plan)  # token count
+    expect(attn, x.q.bfloat16(), x.k, None, x.k_cache, None, plan)  # dtype
+    expect(attn, x.q, x.k[..., :20], None, x.k_cache, None, plan)  # head dim
+    expect(attn, x.q, x.k, None, x.k_cache[:, :2], None, plan)  # page size
+    expect(attn, x.q, x.k, x.k[..., :16], x.k_cache, None, plan)  # v given for MLA
+    expect(attn, x.q, x.k, None, x.k_cache, None, "not a plan")
+    other = TwoStageAttention(cfg, DCPLayout(world, rank, 1), group=dist.group.WORLD, dtype=torch.float32)
+    expect(attn, x.q, x.k, None, x.k_cache, None, other.plan(x.query_start_loc, x.seq_lens, x.block_table))
+    expect(TwoStageAttention, cfg, DCPLayout(world + 1, 0, 2), group=dist.group.WORLD)  # group size
+    expect(TwoStageAttention, cfg, DCPLayout(world, (rank + 1) % world, 2), group=dist.group.WORLD)
+    expect(TwoStageAttention, cfg, layout)  # no group
+    expect(TwoStageAttention, cfg, layout, group=dist.group.WORLD, combine="ring")
+    expect(TwoStageAttention, cfg, layout, group=dist.group.WORLD, backend="nope")
+    expect(
+        TwoStageAttention,
+        AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=3, scale=0.2),
+        layout,
+        group=dist.group.WORLD,
+    )
+    # the group still works: a good call after all the bad ones
+    out = attn(x.q, x.k, None, x.k_cache, None, plan)
+    assert torch.isfinite(out).all()
+    return messages
+
+
+@pytest.mark.parametrize("world", [2])
+def test_bad_input_raises_before_any_collective(world):
+    for messages in run_ranks(world, _bad_inputs):
+        expected = [
+            r"q.shape == \(\d+, 2, 24\), got \(\d+, 1, 24\)",
+            r"q.shape == \(\d+, 2, 24\)",
+            r"q.dtype == torch.float32, got torch.bfloat16",
+            r"k.shape == \(\d+, 1, 24\), got \(\d+, 1, 20\)",
+            r"k_cache.shape == \(\*, 4, 1, 24\)",
+            r"v=None and v_cache=None for MLA",
+            r"plan from this layer's plan\(\).*got str",
+            r"plan from this layer's plan\(\).*interleave=1",
+            r"group of size 3 .* got size 2",
+            r"this process at rank [01] .* got size 2, rank [01]",
+            r"process group of size 2, got group=None",
+            r"combine in \('a2a', 'ag_rs'\), got 'ring'",
+            r"backend to be 'auto' or one of .* got 'nope'",
+            r"page_size to be a multiple of interleave = 2, got 3",
+        ]
+        assert len(messages) == len(expected), messages
+        for m, pattern in zip(messages, expected):
+            assert re.search(pattern, m), (pattern, m)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="num_heads to be a multiple of num_kv_heads = 3, got 4"):
+        AttentionConfig(4, 16, 16, 4, 0.1, 3, "gqa")
+    with pytest.raises(ValueError, match="num_kv_heads == 1 and head_dim_v <= head_dim for MLA"):
+        AttentionConfig(4, 16, 16, 4, 0.1, 2, "mla")
+    with pytest.raises(ValueError, match="kv_format 'mla' or 'gqa'"):
+        AttentionConfig(4, 16, 16, 4, 0.1, 1, "mha")
+    with pytest.raises(ValueError, match="num_heads to be a positive int, got 0"):
+        AttentionConfig(0, 16, 16, 4, 0.1)
+    with pytest.raises(ValueError, match="scale > 0"):
+        AttentionConfig(4, 16, 16, 4, 0.0)

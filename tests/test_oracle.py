@@ -1,0 +1,35 @@
+import torch
+
+from twostage_mla.oracle import oracle_attention
+
+
+def test_oracle_matches_sdpa_on_causal_suffix():
+    """Request with context C and Q queries == bottom-right causal attention."""
+    g = torch.Generator().manual_seed(0)
+    c, nq, h, d = 7, 5, 4, 16
+    q = torch.randn(nq, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(c + nq, 2, d, generator=g, dtype=torch.float64)
+    v = torch.randn(c + nq, 2, 8, generator=g, dtype=torch.float64)
+    o, lse = oracle_attention(q, k, v, torch.tensor([0, nq]), torch.tensor([c + nq]), 0.3)
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    mask = torch.arange(c + nq)[None, :] <= c + torch.arange(nq)[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=mask, scale=0.3
+    ).transpose(0, 1)
+    torch.testing.assert_close(o, ref)
+    s = torch.einsum("thd,nhd->thn", q, kk) * 0.3
+    torch.testing.assert_close(lse, torch.logsumexp(s.masked_fill(~mask[:, None], float("-inf")), -1))
+
+
+def test_oracle_tree_mask_and_batches():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(4, 2, 8, generator=g)
+    k = torch.randn(3 + 6, 1, 8, generator=g)
+    # request 0: C=0, Q=1; request 1: C=3, Q=3 with tree 0 <- 1, 0 <- 2
+    qsl, sl = torch.tensor([0, 1, 4]), torch.tensor([1, 6])
+    o, _ = oracle_attention(q, k, k, qsl, sl, 0.5, parents=torch.tensor([-1, -1, 0, 0]))
+    torch.testing.assert_close(o[0].float(), k[0, 0].expand(2, 8))  # one key: its value
+    # token 2 of request 1 (index 3 in q) sees context 1..3 and tree tokens 0, 2 -> rows 1,2,3,4,6
+    rows = torch.tensor([1, 2, 3, 4, 6])
+    s = torch.einsum("hd,nd->hn", q[3].double(), k[rows, 0].double()) * 0.5
+    torch.testing.assert_close(o[3], torch.softmax(s, -1) @ k[rows, 0].double())

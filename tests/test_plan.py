@@ -1,0 +1,85 @@
+import pytest
+import torch
+
+from twostage_mla.layout import DCPLayout
+from twostage_mla.plan import plan_step
+
+I32 = dict(dtype=torch.int32)
+
+
+LAYOUT = DCPLayout(2, 1, 2)
+
+
+def make(qsl, sl, pages=8, page_size=4, layout=LAYOUT, **kw):
+    bt = torch.arange(len(sl) * pages, **I32).view(len(sl), pages)
+    return plan_step(torch.tensor(qsl, **I32), torch.tensor(sl, **I32), bt, page_size=page_size, layout=layout, **kw)
+
+
+def test_worked_example():
+    # N=2, r=1, I=2; request 0: C=9, Q=3; request 1: C=2, Q=1 (rank 1 holds none of it)
+    p = make([0, 3, 4], [12, 3])
+    assert (p.num_tokens, p.batch_size, p.max_q_len) == (4, 2, 3)
+    assert p.context_lens.tolist() == [9, 2]
+    assert p.local_context_lens.tolist() == [4, 0]  # positions 2 3 6 7 | none
+    assert p.max_local_context_len == 4 and p.max_context_len == 9
+    assert p.token_request.tolist() == [0, 0, 0, 1]
+    assert p.token_offset.tolist() == [0, 1, 2, 0]
+    assert p.query_mask is None
+    # new tokens at positions 9 10 11 | 2: rank 1 owns 10, 11 (local 4, 5: page 1 of row 0)
+    # and 2 (local 0: page 8, the first of row 1)
+    assert p.new_token_slots().tolist() == [-1, 1 * 4 + 0, 1 * 4 + 1, 8 * 4 + 0]
+
+
+def test_tree_mask_is_ancestor_or_self():
+    #   0
+    #  / \
+    # 1   2
+    #     |
+    #     3
+    p = make([0, 4], [10], parents=torch.tensor([-1, 0, 0, 2]))
+    assert p.query_mask[0].int().tolist() == [
+        [1, 0, 0, 0],
+        [1, 1, 0, 0],
+        [1, 0, 1, 0],
+        [1, 0, 1, 1],
+    ]
+
+
+def test_zero_query_request_and_empty_batch():
+    p = make([0, 0, 2], [5, 2])
+    assert p.token_request.tolist() == [1, 1]
+    e = plan_step(
+        torch.zeros(1, **I32), torch.zeros(0, **I32), torch.zeros(0, 1, **I32), page_size=4, layout=DCPLayout()
+    )
+    assert e.num_tokens == 0 and e.max_q_len == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(qsl=[0, 3], sl=[2]), r"q_len <= seq_len .* got q_len 3 > seq_lens\[0\] = 2"),
+        (dict(qsl=[0, 1], sl=[-1]), r"seq_lens >= 0, got seq_lens\[0\] = -1"),
+        (dict(qsl=[0, 2, 1], sl=[4, 4]), r"query_start_loc non-decreasing"),
+        (dict(qsl=[1, 2], sl=[4]), r"query_start_loc\[0\] == 0"),
+        (dict(qsl=[0, 1, 2], sl=[4]), r"query_start_loc.shape == \(B\+1,\) = \(2,\)"),
+        (
+            dict(qsl=[0, 1], sl=[100], pages=2),
+            r"block_table with at least 13 pages per request, got 2: request 0 keeps local_len\(seq_len=100\) = 50",
+        ),
+        (dict(qsl=[0, 1], sl=[4], page_size=3), r"page_size to be a positive multiple of interleave = 2, got 3"),
+        (dict(qsl=[0, 2], sl=[4], parents=torch.tensor([-1, 1])), r"parents\[t\] == -1 or 0 <= parents\[t\] <"),
+        (dict(qsl=[0, 2], sl=[4], parents=torch.tensor([-1])), r"parents.shape == \(T,\) = \(2,\)"),
+    ],
+)
+def test_bad_input_names_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make(**kwargs)
+
+
+def test_bad_types():
+    with pytest.raises(ValueError, match="seq_lens to be a 1-D integer tensor, got torch.float32"):
+        plan_step(torch.tensor([0, 1]), torch.tensor([2.0]), torch.zeros(1, 1, **I32), page_size=4, layout=DCPLayout())
+    with pytest.raises(ValueError, match="block_table.shape\\[0\\] == B = 1"):
+        plan_step(torch.tensor([0, 1]), torch.tensor([2]), torch.zeros(2, 1, **I32), page_size=4, layout=DCPLayout())
+    with pytest.raises(ValueError, match="layout to be a DCPLayout"):
+        plan_step(torch.tensor([0, 1]), torch.tensor([2]), torch.zeros(1, 1, **I32), page_size=4, layout=(1, 0, 1))
