@@ -1,0 +1,83 @@
+"""One DCP decode step with speculative tokens, as an engine would run it.
+
+    torchrun --nproc-per-node 2 examples/torchrun_dcp_step.py            # gloo on CPUs
+    torchrun --nproc-per-node 2 examples/torchrun_dcp_step.py --cuda     # NCCL, one GPU a rank
+
+Every rank holds 1/N of each request's MLA latent cache (DeepSeek-V2-Lite
+sizes) and its own share of the query heads. The step verifies q_len draft
+tokens per request; the result is checked against a float64 oracle over the
+unsharded cache. Read it top to bottom: each block is what an engine does.
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention, oracle_attention
+from twostage_mla.layout import kv_slots, local_len
+
+p = argparse.ArgumentParser()
+p.add_argument("--cuda", action="store_true")
+p.add_argument("--interleave", type=int, default=1)
+args = p.parse_args()
+
+# --- the process group: in an engine, the DCP group inside the TP group -----------------
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.cuda else torch.device("cpu")
+if args.cuda:
+    torch.cuda.set_device(device)
+dist.init_process_group("nccl" if args.cuda else "gloo")
+group = dist.group.WORLD
+dtype = torch.bfloat16 if args.cuda else torch.float32
+
+# --- model shapes: DeepSeek-V2-Lite's MLA; 16 heads split over the group (TP) -------------
+HEADS, LORA, ROPE, PAGE = 16, 512, 64, 64
+D = LORA + ROPE
+cfg = AttentionConfig.mla(num_heads=HEADS // world, kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=D**-0.5)
+layout = DCPLayout(world, rank, args.interleave)
+attn = TwoStageAttention(cfg, layout, group=group, combine="a2a", dtype=dtype, device=device)
+
+# --- the batch: every rank sees the same metadata and the same new latents -----------------
+torch.manual_seed(0)  # same "hidden states" on every rank, as after a TP all-reduce
+context = [3000, 1, 1200]  # tokens already in the cache; 1 token leaves other ranks empty
+q_lens = [4, 1, 8]  # draft tokens to verify per request
+seq_lens = torch.tensor([c + q for c, q in zip(context, q_lens)], dtype=torch.int32)
+query_start_loc = torch.tensor([0, 4, 5, 13], dtype=torch.int32)
+all_kv = [torch.randn(int(n), 1, D).to(dtype) for n in seq_lens]  # stands in for the model's latents
+q_all_heads = torch.randn(13, HEADS, D).to(dtype)  # absorbed queries of all heads
+
+# --- this rank's paged cache: pages for local_len(seq_len) slots per request --------------
+pages = [-(-local_len(int(s), world, args.interleave, rank) // PAGE) for s in seq_lens]
+block_table = torch.zeros(len(pages), max(pages), dtype=torch.int32)
+next_page = 0
+for b, n in enumerate(pages):  # a real engine's allocator hands these out
+    block_table[b, :n] = torch.arange(next_page, next_page + n)
+    next_page += n
+kv_cache = torch.zeros(next_page, PAGE, 1, D, dtype=dtype, device=device)
+block_table = block_table.to(device)
+
+# --- prefill (earlier steps): write each request's context into this rank's shard ---------
+for b, c in enumerate(context):
+    slots = kv_slots(torch.arange(c), torch.full((c,), b), block_table.cpu(), PAGE, layout)
+    mine = slots >= 0
+    kv_cache.view(-1, 1, D)[slots[mine].to(device)] = all_kv[b][:c][mine].to(device)
+
+# --- the step: plan once (host sync allowed), then per layer --------------------------------
+plan = attn.plan(query_start_loc.to(device), seq_lens.to(device), block_table)
+kv_new = torch.cat([kv[c:] for kv, c in zip(all_kv, context)]).to(device)  # (T, 1, D)
+q = q_all_heads[:, rank * cfg.num_heads : (rank + 1) * cfg.num_heads].to(device)  # local heads
+
+slots = plan.new_token_slots()  # engines write the step's latents before attention
+keep = slots >= 0
+kv_cache.view(-1, 1, D)[slots[keep]] = kv_new[keep]
+out = attn(q, kv_new, None, kv_cache, None, plan)  # (T, H_loc, 512); repeat per layer
+
+# --- check against the float64 oracle over the unsharded cache ------------------------------
+kv = torch.cat(all_kv)
+ref, _ = oracle_attention(q_all_heads, kv, kv[..., :LORA], query_start_loc, seq_lens, cfg.scale)
+ref = ref[:, rank * cfg.num_heads : (rank + 1) * cfg.num_heads]
+err = ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item()
+print(f"rank {rank}/{world}: out {tuple(out.shape)} {out.dtype}, max_rel_err vs oracle {err:.2e}")
+dist.destroy_process_group()
