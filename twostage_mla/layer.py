@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from twostage_mla import comm
-from twostage_mla.backends import AttentionSpec, select_backend
+from twostage_mla.backends import AttentionSpec, CaptureLimits, select_backend
 from twostage_mla.layout import DCPLayout
 from twostage_mla.plan import StepPlan, plan_step
 from twostage_mla.state import merge_state, merge_states
@@ -98,6 +98,12 @@ class TwoStageAttention:
         (all-gather lse, rescale, reduce-scatter).
     backend: "auto" or a name from :func:`twostage_mla.backends.backend_names`.
     dtype, device: of q, K/V and the cache.
+    max_batch_size, max_tokens, max_pages: optional maxima (B, T, and pages
+        one step's context pass reads on this rank); with all three given, a
+        backend that needs persistent buffers for CUDA graphs (flashinfer)
+        keeps its metadata there, so a graph captured once replays correctly
+        after later plans of the same B and T. Without them a captured graph
+        is valid for the plan it was captured with.
 
     One instance serves every layer with this config; ``plan`` once per step,
     then call it per layer. Example (one rank, CPU)::
@@ -118,6 +124,9 @@ class TwoStageAttention:
         backend: str = "auto",
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        max_batch_size: int | None = None,
+        max_tokens: int | None = None,
+        max_pages: int | None = None,
     ) -> None:
         if not isinstance(config, AttentionConfig):
             raise ValueError(f"expected config to be an AttentionConfig, got {type(config).__name__}")
@@ -152,7 +161,8 @@ class TwoStageAttention:
             dtype=dtype,
             device=self.device,
         )
-        self.backend = select_backend(self.spec, backend)(self.spec)
+        limits = CaptureLimits(max_batch_size, max_tokens, max_pages)
+        self.backend = select_backend(self.spec, backend)(self.spec, limits)
 
     def plan(
         self,

@@ -7,13 +7,27 @@ A backend the user names is checked the same way.
 
 from __future__ import annotations
 
-from twostage_mla.backends.base import AttentionBackend, AttentionSpec, State
+from twostage_mla.backends.base import AttentionBackend, AttentionSpec, CaptureLimits, State
+from twostage_mla.backends.flash_attn import FlashAttn2Backend, FlashAttn3Backend
+from twostage_mla.backends.flashinfer import FlashInferBackend
 from twostage_mla.backends.reference import ReferenceBackend
+from twostage_mla.backends.torch_efficient import TorchEfficientBackend
+from twostage_mla.backends.torch_flash import TorchFlashBackend
 
-__all__ = ["AttentionBackend", "AttentionSpec", "State", "backend_names", "refusals", "select_backend"]
+__all__ = ["AttentionBackend", "AttentionSpec", "CaptureLimits", "State", "backend_names", "refusals", "select_backend"]
 
 # Priority order: fastest first; the reference last, since it runs everywhere.
-_REGISTRY: list[type[AttentionBackend]] = [ReferenceBackend]
+# FlashInfer leads: measured on H200 (docs/performance.md). FA3 and FA2 never ran
+# here (no wheel), so they follow it; torch's own kernels need no extra package;
+# torch_flash (FA2 in torch) beats torch_efficient where both fit (GQA).
+_REGISTRY: list[type[AttentionBackend]] = [
+    FlashInferBackend,
+    FlashAttn3Backend,
+    FlashAttn2Backend,
+    TorchFlashBackend,
+    TorchEfficientBackend,
+    ReferenceBackend,
+]
 
 
 def backend_names() -> list[str]:

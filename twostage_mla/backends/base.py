@@ -24,6 +24,31 @@ State = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
+class CaptureLimits:
+    """Maxima a backend sizes its persistent buffers from, for CUDA-graph replay across steps.
+
+    max_batch_size: B at most; max_tokens: T at most; max_pages: pages one
+    step's context pass reads on this rank at most (sum over requests).
+    None everywhere (the default): buffers follow each step, and a captured
+    graph stays valid only for the plan it was captured with.
+    """
+
+    max_batch_size: int | None = None
+    max_tokens: int | None = None
+    max_pages: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_tokens", "max_pages"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"expected {name} to be None or a positive int, got {v!r}")
+
+    @property
+    def given(self) -> bool:
+        return None not in (self.max_batch_size, self.max_tokens, self.max_pages)
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     """What a layer asks of a backend; fixed when the layer is built.
 
@@ -98,8 +123,9 @@ class AttentionBackend:
         """Backend-specific refusals beyond the declared attributes."""
         return []
 
-    def __init__(self, spec: AttentionSpec) -> None:
+    def __init__(self, spec: AttentionSpec, limits: CaptureLimits | None = None) -> None:
         self.spec = spec
+        self.limits = limits or CaptureLimits()
 
     def plan(self, plan: StepPlan) -> Any:
         """Per-step kernel plans (built once, reused by every layer); None if none."""

@@ -1,0 +1,158 @@
+"""The fast backends' glue on the CPU, with the GPU kernels replaced by stand-ins.
+
+tests/_emulated_kernels.py implements each kernel's documented contract
+(lse layout and base, what rows with no keys hold); here every backend runs
+through the whole layer against the float64 oracle, and its two passes
+against the reference backend on a sharded rank (N = 2). The real kernels
+are exercised by tests/test_backends_gpu.py on a GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from tests import _emulated_kernels as emu
+from twostage_mla import synthetic
+from twostage_mla.backends import flashinfer as fi_backend
+from twostage_mla.backends import select_backend, torch_efficient, torch_flash
+from twostage_mla.backends.base import AttentionSpec, CaptureLimits
+from twostage_mla.backends.flash_attn import FlashAttn2Backend, FlashAttn3Backend
+from twostage_mla.backends.flashinfer import FlashInferBackend
+from twostage_mla.backends.reference import ReferenceBackend
+from twostage_mla.backends.torch_efficient import TorchEfficientBackend
+from twostage_mla.backends.torch_flash import TorchFlashBackend
+from twostage_mla.layer import AttentionConfig, TwoStageAttention
+from twostage_mla.layout import DCPLayout
+from twostage_mla.plan import plan_step
+
+FAST = {
+    "flashinfer": FlashInferBackend,
+    "flash_attn3": FlashAttn3Backend,
+    "flash_attn2": FlashAttn2Backend,
+    "torch_flash": TorchFlashBackend,
+    "torch_efficient": TorchEfficientBackend,
+}
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """Route every backend's kernel calls to the CPU stand-ins."""
+    fake_fi = emu.fake_flashinfer()
+    monkeypatch.setattr(fi_backend, "_flashinfer", lambda: fake_fi)
+    monkeypatch.setattr(torch_efficient, "_efficient_attention_forward", emu.efficient_attention_forward)
+    monkeypatch.setattr(torch_flash, "_flash_attention_forward", emu.flash_attention_forward)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", emu.fake_flash_attn_interface())
+    monkeypatch.setitem(sys.modules, "flash_attn", emu.fake_flash_attn())
+
+
+def _config(mla: bool, page_size: int, heads: int = 4) -> AttentionConfig:
+    if mla:
+        return AttentionConfig.mla(num_heads=heads, kv_lora_rank=64, rope_dim=16, page_size=page_size, scale=0.11)
+    return AttentionConfig(num_heads=heads, head_dim=32, head_dim_v=32, page_size=page_size, scale=0.17,
+                           num_kv_heads=2, kv_format="gqa")
+
+
+def _layer(name: str, cfg: AttentionConfig, layout: DCPLayout, limits: CaptureLimits | None = None):
+    attn = TwoStageAttention(cfg, layout, backend="reference", dtype=torch.float32, device="cpu")
+    attn.backend = FAST[name](attn.spec, limits)  # bypass the device check: the kernels are stand-ins
+    return attn
+
+
+def _cases(name: str) -> list[tuple[bool, int, bool]]:
+    """(mla, page_size, tree) cases a backend serves."""
+    kinds = FAST[name].kv_formats
+    page = 256 if name == "flash_attn2" else 16
+    out = []
+    if "mla" in kinds:
+        out += [(True, page, False), (True, page, True)]
+    if "gqa" in kinds:
+        out += [(False, page, False), (False, page, True)]
+    if name == "torch_flash":
+        out.append((False, 256, False))  # the paged (block_table) path of torch >= 2.12
+    return out
+
+
+@pytest.mark.parametrize(
+    "name,mla,page_size,tree", [(n, *c) for n in FAST for c in _cases(n)], ids=lambda x: str(x)
+)
+def test_layer_matches_oracle(emulated, name, mla, page_size, tree):
+    cfg = _config(mla, page_size)
+    step = synthetic.make_step([0, 5, 37, 100, 1], [3, 1, 4, 2, 5], heads=cfg.num_heads, head_dim=cfg.head_dim,
+                               head_dim_v=cfg.head_dim_v, kv_heads=cfg.num_kv_heads, mla=mla, tree=tree, seed=3)
+    x = synthetic.rank_inputs(step, DCPLayout(), page_size, mla=mla, dtype=torch.float32, device="cpu")
+    attn = _layer(name, cfg, DCPLayout())
+    plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)
+    out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
+    ref_o, ref_lse = synthetic.oracle(step, cfg.scale)
+    assert torch.allclose(out.double(), ref_o, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,mla", [(n, m) for n in FAST for m in (True, False) if ("mla" if m else "gqa")
+                                      in FAST[n].kv_formats])
+def test_passes_match_reference_on_a_shard(emulated, name, mla):
+    """Rank 1 of N = 2, interleave 2: each pass equals the reference backend's, rows with no context included."""
+    page = 256 if name == "flash_attn2" else 8
+    cfg = _config(mla, page)
+    layout = DCPLayout(world_size=2, rank=1, interleave=2)
+    ctx, ql = [0, 1, 2, 3, 9, 40], [2, 1, 3, 1, 2, 4]  # contexts 0..2 leave rank 1 with nothing
+    step = synthetic.make_step(ctx, ql, heads=2 * cfg.num_heads, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
+                               kv_heads=cfg.num_kv_heads, mla=mla, seed=5)
+    x = synthetic.rank_inputs(step, layout, page, mla=mla, dtype=torch.float32, device="cpu")
+    plan = plan_step(x.query_start_loc, x.seq_lens, x.block_table, page_size=page, layout=layout)
+    spec = AttentionSpec(cfg.kv_format, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim_v, page, 2,
+                         cfg.scale, torch.float32, torch.device("cpu"))
+    fast, ref = FAST[name](spec), ReferenceBackend(spec)
+    fplan = plan.__class__(**{**plan.__dict__, "backend_state": fast.plan(plan)})
+    v, v_cache = (x.k[..., : cfg.head_dim_v], x.k_cache[..., : cfg.head_dim_v]) if mla else (x.v, x.v_cache)
+    q_all = step.q.to(torch.float32)  # (T, 2H, D): the gathered queries of both ranks
+    for got, want in (
+        (fast.context(q_all, x.k_cache, v_cache, fplan), ref.context(q_all, x.k_cache, v_cache, plan)),
+        (fast.query(x.q, x.k, v, fplan), ref.query(x.q, x.k, v, plan)),
+    ):
+        assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
+        assert got[1].dtype == torch.float32
+        assert torch.allclose(got[0], want[0], atol=1e-5), name
+        assert torch.equal(torch.isneginf(got[1]), torch.isneginf(want[1]))
+        fin = torch.isfinite(want[1])
+        assert torch.allclose(got[1][fin], want[1][fin], atol=1e-5)
+
+
+def test_flashinfer_stale_plan_and_capture_limits(emulated):
+    cfg = _config(True, 16)
+    step = synthetic.make_step([10, 30], [2, 2], heads=4, head_dim=80, head_dim_v=64, seed=1)
+    x = synthetic.rank_inputs(step, DCPLayout(), 16, mla=True, dtype=torch.float32, device="cpu")
+    attn = _layer("flashinfer", cfg, DCPLayout())
+    old = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    with pytest.raises(ValueError, match="latest plan"):
+        attn(x.q, x.k, None, x.k_cache, None, old)
+
+    small = _layer("flashinfer", cfg, DCPLayout(), CaptureLimits(max_batch_size=2, max_tokens=4, max_pages=2))
+    with pytest.raises(ValueError, match="max_pages = 2"):
+        small.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    ok = _layer("flashinfer", cfg, DCPLayout(), CaptureLimits(max_batch_size=4, max_tokens=8, max_pages=8))
+    plan = ok.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    out = ok(x.q, x.k, None, x.k_cache, None, plan)
+    ref_o, _ = synthetic.oracle(step, cfg.scale)
+    assert torch.allclose(out.double(), ref_o, atol=1e-5)
+
+
+def test_capture_limits_are_checked():
+    with pytest.raises(ValueError, match="max_tokens"):
+        CaptureLimits(max_batch_size=2, max_tokens=0, max_pages=3)
+    assert not CaptureLimits(max_batch_size=2).given
+
+
+def test_auto_and_forced_selection_on_cpu():
+    spec = AttentionSpec("mla", 16, 1, 576, 512, 64, 1, 0.1, torch.bfloat16, torch.device("cpu"))
+    assert select_backend(spec) is ReferenceBackend
+    for name in FAST:
+        with pytest.raises(ValueError, match=f"backend '{name}' cannot serve") as e:
+            select_backend(spec, name)
+        assert "device 'cpu' not in" in str(e.value)
+    with pytest.raises(ValueError, match="kv_format 'mla' not in"):
+        select_backend(spec, "torch_flash")

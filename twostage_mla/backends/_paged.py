@@ -1,0 +1,117 @@
+"""Plan-time helpers shared by the fast backends: page lists, gather indices, empty rows.
+
+Everything here runs inside ``backend.plan`` (once per step, host sync allowed)
+and returns device tensors that the per-layer calls only read. Worked example,
+page_size 4, two requests with local context lengths 6 and 0, then 3::
+
+    block_table = [[7, 2, 9], [5, 0, 0], [3, 1, 0]]    local_context_lens = [6, 0, 3]
+    pages used  = [2, 0, 1]                             page_indptr = [0, 2, 2, 3]
+    page_indices = [7, 2, 3]
+    slots (gather) = [28 29 30 31 8 9 | 12 13 14]       key_indptr = [0, 6, 6, 9]
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from twostage_mla.plan import StepPlan
+
+LN2 = math.log(2.0)  # FlashInfer's prefill kernels return log2; multiply to get natural log
+
+
+def page_lists(plan: StepPlan, lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR page list of each request's first ``lens[b]`` local slots.
+
+    lens: (B,) int32 on the plan's device (default plan.local_context_lens).
+    returns page_indptr (B+1,) int32, page_indices (max(P_used, 1),) int32.
+    The indices hold one extra 0 when no page is used, so kernels that take a
+    pointer to them never see an empty tensor (page 0 exists in any cache).
+    """
+    lens = plan.local_context_lens if lens is None else lens
+    ps = plan.page_size
+    npages = (lens.long() + ps - 1) // ps  # (B,)
+    indptr = torch.zeros(plan.batch_size + 1, dtype=torch.int32, device=lens.device)
+    indptr[1:] = npages.cumsum(0).to(torch.int32)
+    cols = torch.arange(plan.block_table.shape[1], device=lens.device)
+    keep = cols[None, :] < npages[:, None]  # (B, max_pages), row-major = request order
+    indices = plan.block_table[keep].to(torch.int32)
+    if indices.numel() == 0:
+        indices = torch.zeros(1, dtype=torch.int32, device=lens.device)
+    return indptr, indices
+
+
+def last_page_lens(plan: StepPlan, lens: torch.Tensor | None = None) -> torch.Tensor:
+    """(B,) int32: tokens in each request's last used page (0 for a request with none)."""
+    lens = (plan.local_context_lens if lens is None else lens).long()
+    ps = plan.page_size
+    return torch.where(lens > 0, (lens - 1) % ps + 1, 0).to(torch.int32)
+
+
+def gather_slots(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Flat cache slots of every request's local context, requests concatenated.
+
+    returns slots (S,) int64 (``cache.view(-1, H_kv, D)[slots]`` is the
+    contiguous local context), key_indptr (B+1,) int32, S (host int).
+    For kernels with no paged entry: gathering reads and writes the context
+    once more, so it costs about twice the bytes of a paged kernel.
+    """
+    lens = plan.local_context_lens.long()
+    dev = lens.device
+    indptr = torch.zeros(plan.batch_size + 1, dtype=torch.int64, device=dev)
+    indptr[1:] = lens.cumsum(0)
+    total = int(indptr[-1])  # host sync: fine, this is plan time
+    req = torch.repeat_interleave(torch.arange(plan.batch_size, device=dev), lens, output_size=total)
+    li = torch.arange(total, device=dev) - indptr[req]
+    ps = plan.page_size
+    slots = plan.block_table.long()[req, li // ps] * ps + li % ps
+    return slots, indptr.to(torch.int32), total
+
+
+def empty_context_rows(plan: StepPlan) -> torch.Tensor | None:
+    """(T, 1) bool: tokens whose request has no local context; None if there are none.
+
+    Kernels disagree on the state of a row with no keys (DESIGN.md section 3);
+    backends whose kernel is not known to return (0, -inf) mask these rows.
+    """
+    empty = (plan.local_context_lens == 0)[plan.token_request]
+    if plan.num_tokens == 0 or not bool(empty.any()):  # host sync: plan time
+        return None
+    return empty[:, None]
+
+
+def mask_empty_rows(o: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Set rows with no keys to the empty state (0, -inf), in place.
+
+    o: (T, H, Dv); lse: (T, H) float32; rows: (T, 1) bool or None (nothing to do).
+    Graph-capturable (no host sync).
+    """
+    if rows is not None:
+        o.masked_fill_(rows[:, :, None], 0.0)
+        lse.masked_fill_(rows, float("-inf"))
+    return o, lse
+
+
+def empty_state(t: int, h: int, dv: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state over no keys: o (t, h, dv) zeros in like's dtype, lse (t, h) -inf float32."""
+    o = like.new_zeros((t, h, dv))
+    lse = torch.full((t, h), float("-inf"), dtype=torch.float32, device=like.device)
+    return o, lse
+
+
+def lse_heads_major(lse: torch.Tensor, num_tokens: int, num_heads: int) -> torch.Tensor:
+    """A varlen kernel's (H, T) lse (FA2/FA3 layout) as (T, H) float32.
+
+    Raises ValueError if the kernel returned another layout (an older
+    flash-attn returns (B, H, max_q): say so rather than read it wrongly).
+    """
+    if lse.shape != (num_heads, num_tokens):
+        raise ValueError(
+            f"expected kernel lse of shape (H, T) = ({num_heads}, {num_tokens}), got {tuple(lse.shape)}"
+        )
+    return lse.float().transpose(0, 1).contiguous()  # merge kernels may want row-major
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)

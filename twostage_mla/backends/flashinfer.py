@@ -1,0 +1,254 @@
+"""FlashInfer backend (``pip install flashinfer-python``, extra ``flashinfer``).
+
+MLA:
+  context pass   BatchMLAPagedAttentionWrapper, non-causal, kv_len = this
+                 rank's local context length; q split into q_nope / q_pe
+                 views and the one cache tensor (P, page, 1, D) into ckv =
+                 cache[..., :Dv] / kpe = cache[..., Dv:] views (no copies).
+  query pass     the same wrapper, causal, over the step's fresh K/V seen as
+                 a cache of pages of one token (kv_indices = 0..T-1).
+GQA:
+  context pass   BatchPrefillWithPagedKVCacheWrapper (NHD), non-causal.
+  query pass     BatchPrefillWithRaggedKVCacheWrapper, causal.
+Tree masks (plan.query_mask) take the reference dense query pass: the
+problem is a few tokens per request, and it keeps one module per layout.
+
+lse: the MLA run is asked for base e (``return_lse_base_on_e``, FlashInfer
+>= 0.5.3); the prefill wrappers return log2 and are scaled by ln 2. Rows with
+no context: the MLA kernel returns (0, -inf) itself (read in mla_hopper.cuh,
+checked by tests/test_backends_gpu.py); the prefill rows are masked after.
+
+Every ``plan()`` of a wrapper happens in :meth:`FlashInferBackend.plan`, once
+per step; ``context`` / ``query`` only run kernels and are graph-capturable.
+A wrapper holds one plan at a time: running a layer with an older step's
+plan raises ValueError. With :class:`CaptureLimits` given, the wrappers keep
+their metadata in fixed buffers (one set per batch size), so a graph
+captured once replays correctly after later plans with the same B and T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from twostage_mla.backends._paged import (
+    LN2,
+    empty_context_rows,
+    empty_state,
+    last_page_lens,
+    mask_empty_rows,
+    page_lists,
+)
+from twostage_mla.backends.base import AttentionBackend, AttentionSpec, CaptureLimits, State
+from twostage_mla.backends.reference import ReferenceBackend
+from twostage_mla.plan import StepPlan
+
+_WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial states)
+
+
+def _flashinfer() -> Any:
+    import flashinfer  # lazy: optional package, slow import, and CPU-only machines lack it
+
+    return flashinfer
+
+
+@dataclass
+class _Wrappers:
+    """The wrappers of one batch size (or of every step, without capture limits)."""
+
+    ctx: Any
+    qry: Any
+    empty_rows: torch.Tensor | None = None  # (max_tokens, 1) bool, fixed buffer in capture mode
+    generation: int = 0
+
+
+@dataclass(frozen=True)
+class FlashInferState:
+    """What one step's plan left for the per-layer calls (StepPlan.backend_state)."""
+
+    wrappers: _Wrappers | None  # None: the step has no tokens
+    generation: int  # must equal wrappers.generation when a layer runs
+    empty_rows: torch.Tensor | None  # (T, 1) bool rows to set to (0, -inf), or None
+    dense_query: bool  # tree mask: query pass through the reference
+
+
+class FlashInferBackend(AttentionBackend):
+    """Two passes through FlashInfer's wrappers; MLA at 512 + 64, GQA at head dim 64/128/256.
+
+    spec: the layer's shapes; limits: optional maxima for graph replay across
+    steps (see :class:`CaptureLimits`).
+    """
+
+    name = "flashinfer"
+    devices = ("cuda",)
+    dtypes = (torch.float16, torch.bfloat16)
+    kv_formats = ("mla", "gqa")
+    packages = ("flashinfer",)
+    min_compute_capability = (8, 0)
+
+    @classmethod
+    def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
+        if spec.kv_format == "mla" and (spec.head_dim_v, spec.head_dim - spec.head_dim_v) != (512, 64):
+            return [f"MLA kernels are built for kv_lora_rank 512 + rope 64, got {spec.head_dim_v} + "
+                    f"{spec.head_dim - spec.head_dim_v}"]
+        if spec.kv_format == "gqa" and (spec.head_dim != spec.head_dim_v or spec.head_dim not in (64, 128, 256)):
+            return [f"GQA needs head_dim == head_dim_v in (64, 128, 256), got {spec.head_dim}/{spec.head_dim_v}"]
+        return []
+
+    def __init__(self, spec: AttentionSpec, limits: CaptureLimits | None = None) -> None:
+        super().__init__(spec, limits)
+        self._mla = spec.kv_format == "mla"
+        self._ctx_heads = spec.num_heads * spec.world_size
+        self._dense = ReferenceBackend(spec)
+        self._workspace: torch.Tensor | None = None
+        self._by_batch: dict[int, _Wrappers] = {}  # capture mode: one set per batch size
+        self._shared: _Wrappers | None = None
+
+    # -- wrappers -------------------------------------------------------------
+
+    def _ws(self) -> torch.Tensor:
+        if self._workspace is None:
+            self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.spec.device)
+        return self._workspace
+
+    def _make(self, b: int | None) -> _Wrappers:
+        """Wrappers for batch size b with fixed buffers, or plain ones (b None)."""
+        fi, ws, dev = _flashinfer(), self._ws(), self.spec.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        if b is None:
+            if self._mla:
+                return _Wrappers(fi.mla.BatchMLAPagedAttentionWrapper(ws), fi.mla.BatchMLAPagedAttentionWrapper(ws))
+            return _Wrappers(
+                fi.prefill.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD"),
+                fi.prefill.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD"),
+            )
+        lim = self.limits
+        rows = torch.zeros(lim.max_tokens, 1, dtype=torch.bool, device=dev)
+        if self._mla:
+            def mla(n_idx: int) -> Any:
+                return fi.mla.BatchMLAPagedAttentionWrapper(
+                    ws, use_cuda_graph=True, qo_indptr=torch.zeros(b + 1, **i32),
+                    kv_indptr=torch.zeros(b + 1, **i32), kv_indices=torch.zeros(n_idx, **i32),
+                    kv_len_arr=torch.zeros(b, **i32),
+                )
+
+            return _Wrappers(mla(lim.max_pages), mla(lim.max_tokens), rows)
+        ctx = fi.prefill.BatchPrefillWithPagedKVCacheWrapper(
+            ws, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros(b + 1, **i32),
+            paged_kv_indptr_buf=torch.zeros(b + 1, **i32), paged_kv_indices_buf=torch.zeros(lim.max_pages, **i32),
+            paged_kv_last_page_len_buf=torch.zeros(b, **i32),
+        )
+        qry = fi.prefill.BatchPrefillWithRaggedKVCacheWrapper(
+            ws, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros(b + 1, **i32),
+            kv_indptr_buf=torch.zeros(b + 1, **i32),
+        )
+        return _Wrappers(ctx, qry, rows)
+
+    def _wrappers_for(self, plan: StepPlan, pages: int) -> _Wrappers:
+        lim = self.limits
+        if not lim.given:
+            if self._shared is None:
+                self._shared = self._make(None)
+            return self._shared
+        for name, have, cap in (
+            ("max_batch_size", plan.batch_size, lim.max_batch_size),
+            ("max_tokens", plan.num_tokens, lim.max_tokens),
+            ("max_pages", pages, lim.max_pages),
+        ):
+            if have > cap:
+                raise ValueError(f"expected a step within {name} = {cap} (the layer's capture limits), got {have}")
+        if plan.batch_size not in self._by_batch:
+            self._by_batch[plan.batch_size] = self._make(plan.batch_size)
+        return self._by_batch[plan.batch_size]
+
+    # -- per step -------------------------------------------------------------
+
+    def plan(self, plan: StepPlan) -> FlashInferState:
+        """Plan both passes for this step (host sync; not capturable)."""
+        if plan.num_tokens == 0:
+            return FlashInferState(None, 0, None, False)
+        s = self.spec
+        dt, scale = s.dtype, s.scale
+        qsl = plan.query_start_loc
+        page_indptr, page_indices = page_lists(plan)
+        w = self._wrappers_for(plan, int(page_indptr[-1]))
+        dense = plan.query_mask is not None
+        if self._mla:
+            dv, dr = s.head_dim_v, s.head_dim - s.head_dim_v
+            w.ctx.plan(qsl, page_indptr, page_indices, plan.local_context_lens, self._ctx_heads, dv, dr,
+                       plan.page_size, False, scale, dt, dt)
+            if not dense:
+                # The fresh K/V as a cache of one-token pages: page i is token i.
+                tok = torch.arange(plan.num_tokens, dtype=torch.int32, device=qsl.device)
+                w.qry.plan(qsl, qsl, tok, plan.q_lens, s.num_heads, dv, dr, 1, True, scale, dt, dt)
+            empty = None  # the MLA kernel writes (0, -inf) for kv_len == 0 itself
+        else:
+            w.ctx.plan(qsl, page_indptr, page_indices, last_page_lens(plan), self._ctx_heads, s.num_kv_heads,
+                       s.head_dim, plan.page_size, head_dim_vo=s.head_dim_v, causal=False, sm_scale=scale,
+                       q_data_type=dt, kv_data_type=dt)
+            if not dense:
+                w.qry.plan(qsl, qsl, s.num_heads, s.num_kv_heads, s.head_dim, head_dim_vo=s.head_dim_v,
+                           causal=True, sm_scale=scale, q_data_type=dt, kv_data_type=dt)
+            empty = empty_context_rows(plan)
+            if w.empty_rows is not None:  # capture mode: always mask, through the fixed buffer
+                buf = w.empty_rows[: plan.num_tokens]
+                buf.copy_(empty if empty is not None else torch.zeros_like(buf))
+                empty = buf
+        w.generation += 1
+        return FlashInferState(w, w.generation, empty, dense)
+
+    def _state(self, plan: StepPlan) -> FlashInferState:
+        st = plan.backend_state
+        if not isinstance(st, FlashInferState):
+            raise ValueError(f"expected plan.backend_state from FlashInferBackend.plan, got {type(st).__name__}")
+        if st.wrappers is not None and st.generation != st.wrappers.generation:
+            raise ValueError(
+                "expected the latest plan of this layer: FlashInfer wrappers hold one step's plan at a time, "
+                "and plan() has been called again since this plan was made"
+            )
+        return st
+
+    # -- per layer ------------------------------------------------------------
+
+    def context(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan) -> State:
+        """Non-causal paged pass; q (T, N*H, D) -> o (T, N*H, Dv) q.dtype, lse (T, N*H) float32.
+
+        Graph-capturable (no host sync).
+        """
+        st, dv = self._state(plan), self.spec.head_dim_v
+        t, h = q.shape[0], q.shape[1]
+        if st.wrappers is None:
+            return empty_state(t, h, dv, q)
+        o = q.new_empty((t, h, dv))
+        lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
+        if self._mla:
+            kv = k_cache[:, :, 0]  # (P, page, D): the one latent head
+            st.wrappers.ctx.run(q[..., :dv], q[..., dv:], kv[..., :dv], kv[..., dv:], out=o, lse=lse,
+                                return_lse=True, return_lse_base_on_e=True)
+            return o, lse
+        st.wrappers.ctx.run(q, (k_cache, v_cache), out=o, lse=lse, return_lse=True)
+        lse.mul_(LN2)
+        return mask_empty_rows(o, lse, st.empty_rows)
+
+    def query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
+        """Causal pass over the fresh K/V; q (T, H, D) -> o (T, H, Dv), lse (T, H) float32.
+
+        Graph-capturable (no host sync).
+        """
+        st, dv = self._state(plan), self.spec.head_dim_v
+        t, h = q.shape[0], q.shape[1]
+        if st.wrappers is None:
+            return empty_state(t, h, dv, q)
+        if st.dense_query:
+            return self._dense.query(q, k, v, plan)
+        o = q.new_empty((t, h, dv))
+        lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
+        if self._mla:
+            # k: (T, 1, D) -> pages of one token: ckv (T, 1, Dv), kpe (T, 1, D - Dv).
+            st.wrappers.qry.run(q[..., :dv], q[..., dv:], k[..., :dv], k[..., dv:], out=o, lse=lse,
+                                return_lse=True, return_lse_base_on_e=True)
+            return o, lse
+        st.wrappers.qry.run(q, k, v, out=o, lse=lse, return_lse=True)
+        return o, lse.mul_(LN2)
