@@ -79,5 +79,8 @@ kv = torch.cat(all_kv)
 ref, _ = oracle_attention(q_all_heads, kv, kv[..., :LORA], query_start_loc, seq_lens, cfg.scale)
 ref = ref[:, rank * cfg.num_heads : (rank + 1) * cfg.num_heads]
 err = ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item()
-print(f"rank {rank}/{world}: out {tuple(out.shape)} {out.dtype}, max_rel_err vs oracle {err:.2e}")
+for r in range(world):  # one rank at a time, so lines do not interleave
+    if r == rank:
+        print(f"rank {rank}/{world}: out {tuple(out.shape)} {out.dtype}, max_rel_err vs oracle {err:.2e}", flush=True)
+    dist.barrier()
 dist.destroy_process_group()

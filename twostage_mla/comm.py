@@ -8,21 +8,17 @@ host synchronisation (usable under CUDA graph capture).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from einops import rearrange
 
-from twostage_mla.state import merge_states
+from twostage_mla.state import MergeFn, merge_states
 
 COMBINE_METHODS = ("a2a", "ag_rs")
 
 # torch >= 2.12 renamed these; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-MergeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def gather_queries(q: torch.Tensor, group: dist.ProcessGroup, world_size: int) -> tuple[torch.Tensor, dist.Work]:
@@ -43,20 +39,14 @@ def _safe_exp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.exp(a - torch.where(torch.isneginf(b), 0.0, b))
 
 
-def combine_a2a(
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    group: dist.ProcessGroup,
-    *,
-    merge: MergeFn = merge_states,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One all-to-all of (o, lse) by head slice, then a local merge of N states.
+def exchange_a2a(o: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """One all-to-all of (o, lse) by head slice: every rank gets N states of its heads.
 
     o: (N, T, H, Dv) any float dtype: slice n holds rank n's heads, as this
         rank computed them over its shard.
     lse: (N, T, H) float32.
-    returns o (T, H, Dv) float32, lse (T, H) float32 over all ranks' shards
-    (float32, so the final merge with the query pass rounds only once).
+    returns o (N, T, H, Dv) o.dtype and lse (N, T, H) float32, slice n = from
+    rank n's shard; views into one receive buffer.
     """
     n = o.shape[0]
     # o and lse travel as raw bytes in one collective; lse starts 16-byte aligned.
@@ -67,9 +57,23 @@ def combine_a2a(
     send[:, o_pad:] = lse.float().reshape(n, -1).view(torch.uint8)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    o_recv = recv[:, :o_bytes].view(o.dtype).view(o.shape)
-    lse_recv = recv[:, o_pad:].view(torch.float32).view(lse.shape)
-    return merge(o_recv, lse_recv, out_dtype=torch.float32)
+    return recv[:, :o_bytes].view(o.dtype).view(o.shape), recv[:, o_pad:].view(torch.float32).view(lse.shape)
+
+
+def combine_a2a(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    merge: MergeFn = merge_states,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One all-to-all of (o, lse) by head slice, then a local merge of N states.
+
+    o: (N, T, H, Dv), lse: (N, T, H) float32, as for :func:`exchange_a2a`.
+    returns o (T, H, Dv) float32, lse (T, H) float32 over all ranks' shards.
+    (The layer calls exchange_a2a itself and fuses the merge with the query pass.)
+    """
+    return merge(*exchange_a2a(o, lse, group), out_dtype=torch.float32)
 
 
 def combine_ag_rs(

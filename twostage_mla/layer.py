@@ -20,10 +20,9 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from twostage_mla import comm
-from twostage_mla.backends import AttentionSpec, CaptureLimits, select_backend
+from twostage_mla.backends import AttentionSpec, CaptureLimits, select_backend, select_merge
 from twostage_mla.layout import DCPLayout
 from twostage_mla.plan import StepPlan, plan_step
-from twostage_mla.state import merge_state, merge_states
 
 # Profiler ranges of the per-layer call, in order (cheap when no profiler runs).
 PHASES = ("twostage.query_pass", "twostage.gather_q", "twostage.context_pass", "twostage.combine", "twostage.merge")
@@ -163,6 +162,7 @@ class TwoStageAttention:
         )
         limits = CaptureLimits(max_batch_size, max_tokens, max_pages)
         self.backend = select_backend(self.spec, backend)(self.spec, limits)
+        self.merge = select_merge(self.spec)
 
     def plan(
         self,
@@ -241,13 +241,16 @@ class TwoStageAttention:
                 q = comm.from_rank_major(gathered, hk)
         with record_function(PHASES[2]):
             o_c, lse_c = self.backend.context(q, k_cache, v_cache, plan)
-        if n > 1:
+        if n == 1:
+            o_c, lse_c = o_c[None], lse_c[None]
+        else:
             with record_function(PHASES[3]):
                 o_c, lse_c = comm.to_rank_major(o_c, n, hk), comm.to_rank_major(lse_c, n, hk)
-                if self.combine == "a2a":
-                    o_c, lse_c = comm.combine_a2a(o_c, lse_c, self.group, merge=merge_states)
+                if self.combine == "a2a":  # the N received states are merged in step 5
+                    o_c, lse_c = comm.exchange_a2a(o_c, lse_c, self.group)
                 else:
                     o_c, lse_c = comm.combine_ag_rs(o_c, lse_c, self.group, rank=self.layout.rank)
+                    o_c, lse_c = o_c[None], lse_c[None]
         with record_function(PHASES[4]):
-            out, lse = merge_state(o_c, lse_c, o_q, lse_q, out_dtype=self.dtype)
+            out, lse = self.merge(o_c, lse_c, extra=(o_q, lse_q), out_dtype=self.dtype)
         return (out, lse) if return_lse else out

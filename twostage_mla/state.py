@@ -17,9 +17,14 @@ merging two empty states gives the empty state (never NaN).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 NEG_INF = float("-inf")
+
+# A merge implementation: (o (K, T, H, Dv), lse (K, T, H), *, out_dtype, extra) -> (o, lse).
+MergeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def normalize_lse(lse: torch.Tensor, *, base2: bool = False) -> torch.Tensor:
@@ -47,13 +52,18 @@ def _weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def merge_states(
-    o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype | None = None
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
+    extra: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge K states over disjoint key sets, stacked on dim 0.
 
     o: (K, T, H, Dv) any float dtype.
     lse: (K, T, H) float32, natural log, -inf for empty states.
     out_dtype: dtype of the merged o (default: o's dtype).
+    extra: optional one more state (o (T, H, Dv), lse (T, H)) to merge in.
     returns: o (T, H, Dv) out_dtype, lse (T, H) float32.
 
     >>> o, lse = merge_states(torch.randn(3, 5, 2, 8), torch.randn(3, 5, 2))
@@ -65,11 +75,15 @@ def merge_states(
             f"expected o: (K, T, H, Dv) and lse: (K, T, H) = {tuple(o.shape[:3])}, "
             f"got o {tuple(o.shape)} and lse {tuple(lse.shape)}"
         )
+    out_dtype = out_dtype or o.dtype
+    if extra is not None:
+        o = torch.cat([o.float(), extra[0].float()[None]])
+        lse = torch.cat([lse.float(), extra[1].float()[None]])
     merged_lse, w = _weights(lse.float())
     w = w.unsqueeze(-1)
     # An empty state's o may be garbage (some kernels write NaN): weight 0 must win.
     merged = torch.where(w > 0, o.float() * w, 0.0).sum(dim=0)
-    return merged.to(out_dtype or o.dtype), merged_lse
+    return merged.to(out_dtype), merged_lse
 
 
 def merge_state(

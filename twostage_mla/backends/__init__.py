@@ -7,14 +7,27 @@ A backend the user names is checked the same way.
 
 from __future__ import annotations
 
+import importlib.util
+
 from twostage_mla.backends.base import AttentionBackend, AttentionSpec, CaptureLimits, State
 from twostage_mla.backends.flash_attn import FlashAttn2Backend, FlashAttn3Backend
 from twostage_mla.backends.flashinfer import FlashInferBackend
 from twostage_mla.backends.reference import ReferenceBackend
 from twostage_mla.backends.torch_efficient import TorchEfficientBackend
 from twostage_mla.backends.torch_flash import TorchFlashBackend
+from twostage_mla.state import MergeFn, merge_states
 
-__all__ = ["AttentionBackend", "AttentionSpec", "CaptureLimits", "State", "backend_names", "refusals", "select_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionSpec",
+    "CaptureLimits",
+    "MergeFn",
+    "State",
+    "backend_names",
+    "refusals",
+    "select_backend",
+    "select_merge",
+]
 
 # Priority order: fastest first; the reference last, since it runs everywhere.
 # FlashInfer leads: measured on H200 (docs/performance.md). FA3 and FA2 never ran
@@ -52,3 +65,17 @@ def select_backend(spec: AttentionSpec, name: str = "auto") -> type[AttentionBac
     what = "no backend fits" if name == "auto" else f"backend {name!r} cannot serve"
     raise ValueError(f"{what} {spec.summary()}:\n{lines}")
 
+
+
+def select_merge(spec: AttentionSpec) -> MergeFn:
+    """The state-merge implementation for ``spec``'s device, chosen once per layer.
+
+    Triton's fused kernel on CUDA when Triton is installed; otherwise the torch
+    maths of :func:`twostage_mla.state.merge_states`. Both take
+    (o (K, T, H, Dv), lse (K, T, H), *, out_dtype, extra) -> (o, lse).
+    """
+    if spec.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        from twostage_mla.kernels.merge import merge_states_triton
+
+        return merge_states_triton
+    return merge_states
