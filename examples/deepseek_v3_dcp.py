@@ -1,0 +1,525 @@
+"""DeepSeek-V3 (transformers' implementation) decoding under DCP with speculative verification.
+
+What an engine does, end to end, on a small random-weight DeepSeek-V3 that
+runs on CPUs in seconds:
+
+1. transformers' own forward and ``generate`` (greedy) are the reference;
+2. our path (mla_dcp.py): absorbed MLA, the latent cache sharded over N ranks
+   with interleave I, the prompts prefilled in chunks (chunked prefill with
+   context: large Q through the same split), then speculative verification
+   steps of Q tokens (a chain) or a token tree, all through TwoStageAttention;
+3. checks: logits against transformers' at every position we computed,
+   greedy tokens against ``generate``, each layer's attention in a tree step
+   against ``oracle_attention`` with the same parents, and the shards against
+   transformers' own latent cache.
+
+    python examples/deepseek_v3_dcp.py --world-size 2 --interleave 4 --q-len 4
+    python examples/deepseek_v3_dcp.py --world-size 4 --tree
+
+An engine's step, as written in :func:`decode` below::
+
+    plan = model.plan(query_start_loc, seq_lens, requests, parents)   # once per step
+    logits, fresh = model.forward(input_ids, positions, plan)           # every layer reuses plan
+    accept drafts (greedy); commit the kept latents (trees) and go on
+
+A request's tokens, with ``cached`` of them in the sharded cache::
+
+    tokens:  t0 t1 ...... t_{C-1} | t_C            prompt + accepted tokens
+             latents in the cache | the last accepted token: its latent is computed
+                                    in the next step together with the drafts
+    step:    [t_C, d1, d2, ... d_{Q-1}] at positions C .. C+Q-1 (a chain),
+             or t_C and a tree of drafts at positions C + depth
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mla_dcp import DCPDeepseekV3, LayerTrace  # noqa: E402
+
+from twostage_mla import DCPLayout, oracle_attention  # noqa: E402
+from twostage_mla.layout import kv_slots  # noqa: E402
+
+# A draft tree: node 0 is the last accepted token; node i's parent is TREE[i].
+# Two candidates for the next token, three at depth 2, two at depth 3.
+TREE = (-1, 0, 0, 1, 1, 2, 3, 4)
+
+
+# --------------------------------------------------------------------------- model
+
+
+def tiny_config(**overrides) -> DeepseekV3Config:
+    """DeepSeek-V3's architecture, shrunk for a CPU: MLA with q/kv LoRA, yarn rope, MoE.
+
+    The real model: hidden 7168, 128 heads, kv_lora_rank 512, rope 64, nope 128,
+    v 128, yarn factor 40 with mscale 1. initializer_range is raised so that
+    random weights give peaked attention (a wrong mask then shows up).
+    """
+    kw = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,  # layer 0 dense MLP, layer 1 MoE
+        num_attention_heads=8,  # H_loc = 8 / N heads per rank
+        num_key_value_heads=8,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        max_position_embeddings=40 * 64,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=40.0,
+            original_max_position_embeddings=64,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            beta_fast=32,
+            beta_slow=1,
+        ),
+        initializer_range=0.2,
+        num_mtp_layers=0,
+        eos_token_id=None,  # no early stop: generate always makes max_new_tokens
+        attn_implementation="eager",
+    )
+    kw.update(overrides)
+    return DeepseekV3Config(**kw)
+
+
+def build_model(seed: int = 0, **overrides) -> DeepseekV3ForCausalLM:
+    """The same random weights on every rank (fixed seed), float32, eval mode."""
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(tiny_config(**overrides)).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def make_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy generate, one request at a time: prompt + new tokens."""
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+        out.append(g[0].tolist())
+    return out
+
+
+# --------------------------------------------------------------------------- drafts
+
+
+class NoisyOracleDrafter:
+    """Stand-in for a draft model or MTP head: the reference continuation, corrupted.
+
+    Each proposed token is the reference's with probability 1 - p_wrong, else a
+    random token, so verification accepts some drafts and rejects others.
+    Whatever it proposes, the decoded tokens are the verifier's own argmaxes.
+    """
+
+    def __init__(self, references: list[list[int]], vocab: int, p_wrong: float = 0.3, seed: int = 0) -> None:
+        self.refs, self.vocab, self.p = references, vocab, p_wrong
+        self.g = torch.Generator().manual_seed(seed)
+
+    def _token(self, b: int, pos: int, truthful: bool) -> int:
+        rand = int(torch.randint(0, self.vocab, (1,), generator=self.g))
+        good = truthful and pos < len(self.refs[b]) and float(torch.rand(1, generator=self.g)) >= self.p
+        return self.refs[b][pos] if good else rand
+
+    def chain(self, b: int, tokens: list[int], k: int) -> list[int]:
+        """k drafts following ``tokens``."""
+        return [self._token(b, len(tokens) + i, True) for i in range(k)]
+
+    def tree(self, b: int, tokens: list[int], parents: tuple[int, ...]) -> list[int]:
+        """A token for every node of ``parents`` but the root (node 0 = tokens[-1])."""
+        out = [tokens[-1]]
+        on_path = [True]  # node follows the reference so far
+        depth = [0]
+        for i in range(1, len(parents)):
+            p = parents[i]
+            first_child = parents.index(p, 1) == i
+            depth.append(depth[p] + 1)
+            tok = self._token(b, len(tokens) - 1 + depth[i], on_path[p] and first_child)
+            pos = len(tokens) - 1 + depth[i]
+            on_path.append(on_path[p] and pos < len(self.refs[b]) and tok == self.refs[b][pos])
+            out.append(tok)
+        return out
+
+
+def depths(parents: list[int]) -> list[int]:
+    d = []
+    for p in parents:
+        d.append(0 if p < 0 else d[p] + 1)
+    return d
+
+
+# --------------------------------------------------------------------------- the engine loop
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    tokens: list[int] = field(default_factory=list)  # prompt + accepted tokens
+    cached: int = 0  # tokens whose latents are in the cache: positions 0 .. cached-1
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) - len(self.prompt) >= self.max_new_tokens
+
+
+@dataclass
+class StepRecord:
+    """One request's part of one step, enough to recompute it with transformers."""
+
+    request: int
+    kind: str  # "prefill", "chain" or "tree"
+    context: list[int]  # tokens whose latents were in the cache
+    input_ids: list[int]  # the step's tokens
+    parents: list[int]  # within the step; -1 = root
+    logits: torch.Tensor  # (q, vocab), ours
+
+
+@dataclass
+class StepTrace:
+    """A whole traced step: inputs of every request and each layer's attention on this rank."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    parents: torch.Tensor
+    contexts: list[list[int]]
+    layers: list[LayerTrace]
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[list[int]]  # prompt + generated, per request
+    records: list[StepRecord]
+    steps: int
+    accepted: int  # drafts accepted
+    traces: list[StepTrace]
+    cache: list[torch.Tensor]  # this rank's shard, per layer
+    block_table: torch.Tensor
+    cached: list[int]
+
+
+def decode(
+    model,
+    layout: DCPLayout,
+    group: dist.ProcessGroup | None,
+    prompts: list[list[int]],
+    references: list[list[int]],
+    *,
+    max_new_tokens: int,
+    q_len: int = 4,
+    tree: tuple[int, ...] | None = None,
+    chunk: int = 16,
+    page_size: int = 8,
+    combine: str = "a2a",
+    p_wrong: float = 0.3,
+    seed: int = 0,
+    trace_steps: int = 0,
+) -> DecodeResult:
+    """Greedy speculative decoding of every prompt on this rank of the DCP group.
+
+    Each step batches, per unfinished request, either its next prefill chunk
+    (at most ``chunk`` tokens, over the context prefilled so far) or one
+    verification block: a chain of ``q_len`` tokens, or the draft ``tree``.
+    references: drafts come from these (see :class:`NoisyOracleDrafter`).
+    trace_steps: record each layer's attention in the first few verify steps.
+    """
+    vocab = model.config.vocab_size
+    extra = q_len if tree is None else len(tree)
+    m = DCPDeepseekV3(
+        model,
+        layout,
+        group,
+        max_seq_lens=[len(p) + max_new_tokens + extra for p in prompts],
+        page_size=page_size,
+        combine=combine,
+        seed=seed,
+    )
+    drafter = NoisyOracleDrafter(references, vocab, p_wrong, seed)
+    reqs = [Request(p, max_new_tokens, list(p)) for p in prompts]
+    records, traces, steps, accepted = [], [], 0, 0
+    while not all(r.done for r in reqs):
+        # ---- schedule: what each active request contributes to this step
+        active = [b for b, r in enumerate(reqs) if not r.done]
+        ids, pars, kinds = [], [], []
+        for b in active:
+            r = reqs[b]
+            if r.cached < len(r.prompt):
+                toks = r.prompt[r.cached : r.cached + chunk]
+                par, kind = list(range(-1, len(toks) - 1)), "prefill"
+            elif tree is None:
+                toks = [r.tokens[-1]] + drafter.chain(b, r.tokens, q_len - 1)
+                par, kind = list(range(-1, q_len - 1)), "chain"
+            else:
+                toks, par, kind = drafter.tree(b, r.tokens, tree), list(tree), "tree"
+            ids.append(toks)
+            pars.append(par)
+            kinds.append(kind)
+        is_tree = "tree" in kinds
+        q_lens = [len(t) for t in ids]
+        ctx = [reqs[b].cached for b in active]
+        query_start_loc = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        seq_lens = torch.tensor([c + q for c, q in zip(ctx, q_lens)], dtype=torch.int32)
+        positions = torch.tensor([c + d for c, p in zip(ctx, pars) for d in depths(p)])
+        parents = torch.tensor([p for par in pars for p in par]) if is_tree else None
+
+        # ---- one forward of the whole model: plan once, every layer reuses it
+        plan = m.plan(query_start_loc, seq_lens, torch.tensor(active), parents)
+        trace = [] if len(traces) < trace_steps and "prefill" not in kinds else None
+        logits, fresh = m.forward(torch.tensor(sum(ids, [])), positions, plan, write_cache=not is_tree, trace=trace)
+        if trace is not None:
+            contexts = [reqs[b].tokens[: reqs[b].cached] for b in active]
+            par_all = parents if parents is not None else torch.tensor([p for par in pars for p in par])
+            traces.append(StepTrace(query_start_loc, seq_lens, par_all, contexts, trace))
+        steps += 1
+
+        # ---- accept (greedy) and commit
+        rows, req_rows, pos_rows = [], [], []
+        for i, b in enumerate(active):
+            r, toks, par = reqs[b], ids[i], pars[i]
+            lo = int(query_start_loc[i])
+            lg = logits[lo : lo + len(toks)]
+            target = lg.argmax(-1).tolist()
+            records.append(StepRecord(b, kinds[i], r.tokens[: r.cached], toks, par, lg.clone()))
+            if kinds[i] == "prefill":
+                path = list(range(len(toks)))
+                if r.cached + len(toks) == len(r.prompt):
+                    r.tokens.append(target[-1])  # the first generated token
+            else:
+                # walk from the root while a child holds the verifier's token
+                path = [0]
+                while True:
+                    nxt = [j for j in range(1, len(toks)) if par[j] == path[-1] and toks[j] == target[path[-1]]]
+                    if not nxt:
+                        break
+                    path.append(nxt[0])
+                accepted += len(path) - 1
+                r.tokens += [toks[j] for j in path[1:]] + [target[path[-1]]]
+                del r.tokens[len(r.prompt) + r.max_new_tokens :]
+            rows += [lo + j for j in path]
+            req_rows += [b] * len(path)
+            pos_rows += [r.cached + k for k in range(len(path))]  # the kept tokens' final positions
+            r.cached += len(path)
+        if is_tree:
+            # Tree tokens were not written during the step (the split never reads
+            # the step's own tokens from the cache): write the kept ones now, each
+            # at its final position, on the rank that owns it.
+            m.commit(fresh, torch.tensor(rows), torch.tensor(req_rows), torch.tensor(pos_rows))
+    return DecodeResult(
+        [r.tokens for r in reqs],
+        records,
+        steps,
+        accepted,
+        traces,
+        m.cache.layers,
+        m.cache.block_table,
+        [r.cached for r in reqs],
+    )
+
+
+# --------------------------------------------------------------------------- checks against transformers
+
+
+def step_mask(context_len: int, parents: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(1, 1, L, L) additive mask for transformers: causal over the context, the tree over the step.
+
+    Row C + j sees every context position and the step tokens that are j or its ancestors.
+    """
+    c, q = context_len, len(parents)
+    vis = torch.tril(torch.ones(c + q, c + q, dtype=torch.bool))
+    vis[c:, c:] = False
+    for j, p in enumerate(parents):
+        if p >= 0:
+            vis[c + j, c:] = vis[c + p, c:]
+        vis[c + j, c + j] = True
+    mask = torch.zeros(c + q, c + q, dtype=dtype).masked_fill(~vis, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+@torch.no_grad()
+def reference_logits(model, rec: StepRecord) -> torch.Tensor:
+    """transformers' logits for a step: context + step tokens, positions C + depth, tree mask."""
+    c = len(rec.context)
+    ids = torch.tensor([rec.context + rec.input_ids])
+    pos = torch.tensor([list(range(c)) + [c + d for d in depths(rec.parents)]])
+    out = model(input_ids=ids, position_ids=pos, attention_mask=step_mask(c, rec.parents))
+    return out.logits[0, c:]
+
+
+def logits_error(model, records: list[StepRecord]) -> dict[str, float]:
+    """Max relative error (max |ours - ref| / max |ref|) over the records, by kind."""
+    err: dict[str, float] = {}
+    for rec in records:
+        ref = reference_logits(model, rec)
+        e = ((rec.logits - ref).abs().max() / ref.abs().max()).item()
+        err[rec.kind] = max(err.get(rec.kind, 0.0), e)
+    return err
+
+
+@torch.no_grad()
+def hf_latents(model, tokens: list[int]) -> list[torch.Tensor]:
+    """transformers' own latent cache for ``tokens``: per layer (S, 1, R + P) = [kv_a_layernorm(c), roped k_pe]."""
+    if not tokens:
+        d = model.config.kv_lora_rank + model.config.qk_rope_head_dim
+        return [torch.zeros(0, 1, d) for _ in range(model.config.num_hidden_layers)]
+    out = model(torch.tensor([tokens]), use_cache=True)
+    cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    return [torch.cat([lay.keys[0, 0], lay.values[0, 0]], dim=-1)[:, None] for lay in cache.layers]
+
+
+def oracle_error(model, trace: StepTrace, scale: float) -> float:
+    """Max relative error of each layer's attention on this rank's heads against the float64 oracle.
+
+    Keys: transformers' latents of each request's context, then the step's own
+    latents; the oracle applies the same tree parents.
+    """
+    ctx = [hf_latents(model, c) for c in trace.contexts]
+    qsl = trace.query_start_loc.tolist()
+    worst = 0.0
+    for li, lt in enumerate(trace.layers):
+        kv = torch.cat([t for b in range(len(ctx)) for t in (ctx[b][li], lt.kv_new[qsl[b] : qsl[b + 1]])])
+        r = model.config.kv_lora_rank
+        o, _ = oracle_attention(lt.q, kv, kv[..., :r], trace.query_start_loc, trace.seq_lens, scale, trace.parents)
+        worst = max(worst, ((lt.out.double() - o).abs().max() / o.abs().max()).item())
+    return worst
+
+
+def shard_error(model, res: DecodeResult, layout: DCPLayout, page_size: int) -> float:
+    """Max abs difference between this rank's shard and transformers' latent cache, positions it owns."""
+    worst = 0.0
+    for b, (toks, n) in enumerate(zip(res.tokens, res.cached)):
+        n = min(n, len(toks))  # the last step may have gone past max_new_tokens
+        ref = hf_latents(model, toks[:n])
+        slots = kv_slots(torch.arange(n), torch.full((n,), b), res.block_table, page_size, layout)
+        keep = slots >= 0
+        for cache, lat in zip(res.cache, ref):
+            got = cache.view(-1, *cache.shape[2:])[slots[keep]]
+            worst = max(worst, (got - lat[keep]).abs().max().item() if keep.any() else 0.0)
+    return worst
+
+
+# --------------------------------------------------------------------------- launching N ranks
+
+
+def _rank_main(rank: int, world: int, init: str, out_dir: str, model_seed: int, cases: list[dict]) -> None:
+    torch.set_num_threads(1)  # N ranks share the CPUs (and a forked child must not reuse the parent's OpenMP pool)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        model = build_model(model_seed)  # every rank: the same weights
+        results = []
+        for kw in cases:
+            kw = dict(kw)
+            layout = DCPLayout(world, rank, kw.pop("interleave"))
+            results.append(decode(model, layout, dist.group.WORLD if world > 1 else None, **kw))
+        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def run_on_ranks(world: int, cases: list[dict], *, model_seed: int = 0, start_method: str | None = None) -> list[list]:
+    """:func:`decode` of every case (its keyword arguments and ``interleave``) on ``world`` gloo processes.
+
+    returns results[rank][case]. start_method: "fork" where the platform has
+    it (the children inherit the imported transformers; "spawn" imports it
+    again in every process, seconds each), else "spawn". N == 1 runs here.
+    """
+    if start_method is None:
+        start_method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    with tempfile.TemporaryDirectory() as out_dir:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        if world == 1:
+            threads = torch.get_num_threads()
+            try:
+                _rank_main(0, 1, init, out_dir, model_seed, cases)
+            finally:
+                torch.set_num_threads(threads)
+        else:
+            args = (world, init, out_dir, model_seed, cases)
+            mp.start_processes(_rank_main, args=args, nprocs=world, start_method=start_method)
+        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--world-size", type=int, default=2, help="N, ranks of the DCP group")
+    ap.add_argument("--interleave", type=int, default=1, help="I, consecutive tokens per rank")
+    ap.add_argument("--q-len", type=int, default=4, help="tokens per verification step (chain)")
+    ap.add_argument("--tree", action="store_true", help=f"verify a draft tree {TREE} instead of a chain")
+    ap.add_argument("--chunk", type=int, default=16, help="prefill chunk (Q of a prefill step)")
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[37, 23])
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--combine", choices=("a2a", "ag_rs"), default="a2a")
+    ap.add_argument("--page-size", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+
+    model = build_model(a.seed)
+    prompts = make_prompts(model.config.vocab_size, a.prompt_lens, a.seed)
+    refs = hf_generate(model, prompts, a.max_new_tokens)
+    case = dict(
+        interleave=a.interleave,
+        prompts=prompts,
+        references=refs,
+        max_new_tokens=a.max_new_tokens,
+        q_len=a.q_len,
+        tree=TREE if a.tree else None,
+        chunk=a.chunk,
+        page_size=a.page_size,
+        combine=a.combine,
+        seed=a.seed,
+        trace_steps=1,
+    )
+    results = [r[0] for r in run_on_ranks(a.world_size, [case], model_seed=a.seed)]
+    res = results[0]
+    mode = f"tree {TREE}" if a.tree else f"chain of Q={a.q_len}"
+    print(f"DeepSeek-V3 (tiny, random weights), DCP N={a.world_size} I={a.interleave}, {mode}, {a.combine}")
+    print(f"  {res.steps} steps, {res.accepted} drafts accepted")
+    for kind, e in logits_error(model, res.records).items():
+        print(f"  logits vs transformers, {kind:8s} steps: max rel err {e:.2e}")
+    scale = model.model.layers[0].self_attn.scaling
+    for r, rr in enumerate(results):
+        e_attn = oracle_error(model, rr.traces[0], scale)
+        e_shard = shard_error(model, rr, DCPLayout(a.world_size, r, a.interleave), a.page_size)
+        print(
+            f"  rank {r}: attention vs oracle (traced step) max rel err {e_attn:.2e}, "
+            f"shard vs transformers' latent cache max abs err {e_shard:.2e}"
+        )
+    same = all(rr.tokens == refs for rr in results)
+    print(f"  greedy tokens equal transformers' generate on every rank: {same}")
+    if not same:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
