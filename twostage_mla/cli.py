@@ -1,4 +1,4 @@
-"""Command line: ``twostage-mla demo`` (and ``python -m twostage_mla demo``)."""
+"""Command line: ``twostage-mla demo|check`` (also ``python -m twostage_mla ...``)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,18 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="run one DCP step on N local processes and check it against the oracle")
     _add_dataclass_args(demo, DemoArgs)
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    check = sub.add_parser("check", help="run every backend this machine has against the float64 oracle")
+    check.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
+    check.add_argument("--dtype", action="append", default=[], help="repeatable; default: bf16, fp16 on GPU")
+    check.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+
+    if args.command == "check":
+        from twostage_mla.check import format_rows, run_check
+
+        rows = run_check(args.device, tuple(args.dtype))
+        print(json.dumps(rows) if args.json else format_rows(rows))
+        return 1 if any(r["status"].startswith("FAIL") for r in rows) else 0
 
     if args.command == "demo":
         opts = {f.name: getattr(args, f.name) for f in fields(DemoArgs)}

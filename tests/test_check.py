@@ -1,0 +1,13 @@
+from twostage_mla.check import format_rows, run_check
+from twostage_mla.cli import main
+
+
+def test_check_runs_reference_and_skips_with_reasons(capsys):
+    rows = run_check("cpu")
+    ran = [r for r in rows if "max_rel_err" in r]
+    assert {r["backend"] for r in ran} == {"reference"}
+    assert all(r["status"] == "ok" for r in ran) and len(ran) == 4  # 2 shapes x 2 dtypes
+    assert all(r["status"].startswith("skipped: ") for r in rows if r not in ran)
+    assert "reference" in format_rows(rows)
+    assert main(["check", "--device", "cpu", "--dtype", "float32"]) == 0
+    assert "ok" in capsys.readouterr().out
