@@ -1,4 +1,4 @@
-"""Command line: ``twostage-mla demo|check`` (also ``python -m twostage_mla ...``)."""
+"""Command line: ``twostage-mla demo|check|bench`` (also ``python -m twostage_mla ...``)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,20 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
     check.add_argument("--dtype", action="append", default=[], help="repeatable; default: bf16, fp16 on GPU")
     check.add_argument("--json", action="store_true")
+    bench = sub.add_parser("bench", help="time twostage vs onepass / expand / floor on one GPU; JSON, table, plot")
+    from twostage_mla.bench import add_arguments  # light: the GPU work starts in run_bench
+
+    add_arguments(bench)
     args = parser.parse_args(argv)
+
+    if args.command == "bench":
+        from twostage_mla.bench import run_bench
+
+        try:
+            run_bench(args)
+        except ValueError as e:
+            parser.error(str(e))
+        return 0
 
     if args.command == "check":
         from twostage_mla.check import format_rows, run_check

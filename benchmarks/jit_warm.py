@@ -1,0 +1,30 @@
+"""Build FlashInfer's JIT modules for one (layout, dtype) ahead of the tests, so several build at once.
+
+    python3 benchmarks/jit_warm.py mla bfloat16     # BatchMLAPagedAttention (both masks)
+    python3 benchmarks/jit_warm.py gqa float16      # paged + ragged prefill, head dim 128
+
+Runs one tiny layer call through the flashinfer backend; FlashInfer caches
+what it compiles (~/.cache/flashinfer), so later processes only load it.
+"""
+
+import sys
+import time
+
+import torch
+
+from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention, synthetic
+
+fmt, dtype = sys.argv[1], getattr(torch, sys.argv[2])
+t0 = time.time()
+if fmt == "mla":
+    cfg = AttentionConfig.mla(num_heads=16, kv_lora_rank=512, rope_dim=64, page_size=64, scale=0.1)
+else:
+    cfg = AttentionConfig(8, 128, 128, 64, 0.1, num_kv_heads=2, kv_format="gqa")
+mla = fmt == "mla"
+step = synthetic.make_step([100, 0], [2, 3], heads=cfg.num_heads, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
+                           kv_heads=cfg.num_kv_heads, mla=mla, dtype=dtype)
+x = synthetic.rank_inputs(step, DCPLayout(), 64, mla=mla, dtype=dtype, device="cuda")
+attn = TwoStageAttention(cfg, DCPLayout(), backend="flashinfer", dtype=dtype, device="cuda")
+attn(x.q, x.k, x.v, x.k_cache, x.v_cache, attn.plan(x.query_start_loc, x.seq_lens, x.block_table))
+torch.cuda.synchronize()
+print(f"jit_warm {fmt} {sys.argv[2]}: ready in {time.time() - t0:.0f} s", flush=True)

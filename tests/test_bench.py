@@ -1,0 +1,48 @@
+"""The benchmark's reporting (table, targets, plot) on made-up records; the timing itself needs a GPU."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from twostage_mla import bench
+
+
+def _records() -> list[dict]:
+    meta = dict(gpu="X", N=1, graph=True)
+    out = [dict(meta, method="copy", backend=None, B=None, C=None, Q=None, heads=None, time_us=None, gbps=4000.0)]
+    for c, one, ctx in ((8192, 100.0, 88.0), (32768, 300.0, 280.0)):
+        for h in (16, 128):
+            kv = 32 * c * 576 * 2
+            base = dict(meta, B=32, C=c, Q=4, heads=h, kv_bytes=kv)
+            out += [
+                dict(base, method="floor", backend=None, time_us=kv / 4e15 * 1e6),
+                dict(base, method="onepass", backend="flashinfer", time_us=one),
+                dict(base, method="expand", backend="flashinfer", time_us=3 * one),
+                dict(base, method="twostage", backend="flashinfer", time_us=ctx + 8, context_us=ctx, overhead_us=8.0,
+                     context_gbps=kv / (ctx * 1e-6) / 1e9),
+            ]
+    return out
+
+
+def test_table_and_targets():
+    recs = _records()
+    table = bench.format_table(recs)
+    assert "onepass" in table and "flashinfer" in table and len(table.splitlines()) == 2 + 4
+    report = bench.check_targets(recs)
+    assert "twostage/onepass B=32 Q=4 H=16 C=8192: 0.960 (<= 1.00) PASS" in report
+    assert "expand/twostage B=32 Q=4 H=16 C=32768" in report and "overhead" in report
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "b.png"
+    assert bench.plot_records(_records(), str(path)) and path.stat().st_size > 1000
+
+
+def test_grid_arguments():
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    a = p.parse_args(["--context", "1K,8k,32768", "--quick"])
+    assert a.context == [1024, 8192, 32768] and a.quick and a.batch is None

@@ -1,0 +1,402 @@
+"""``twostage-mla bench``: the two-stage layer against the stock answers to q_len > 1, on one GPU.
+
+Methods (MLA, one rank, N = 1), for B requests of context C and Q new tokens:
+
+    twostage  the layer (query pass + non-causal context pass + merge), per backend;
+              also timed: its context pass alone, and the rest (overhead)
+    onepass   one causal FlashInfer MLA call over the whole request (C + Q keys):
+              the kernel's own answer when nothing is sharded
+    expand    each of the Q queries as its own q_len = 1 request with kv
+              length C + j + 1: exact and stock, but reads the KV Q times
+    floor     the context's KV bytes over the measured device-copy bandwidth
+
+Times are medians of many CUDA-event-timed replays of a CUDA graph holding
+several back-to-back calls (so launch gaps do not count), after warm-up; the
+same buffers are reused, so the smallest shapes partly hit L2 (60 MB on H200).
+Writes a JSON list of records, prints a table and the issue's targets, and
+plots time against C per method (matplotlib, if installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from twostage_mla.backends import AttentionSpec, refusals
+from twostage_mla.layer import AttentionConfig, TwoStageAttention
+from twostage_mla.layout import DCPLayout
+
+FULL = dict(batch=[1, 8, 32, 64], context=[1024, 8192, 32768, 131072], q_len=[1, 2, 4, 8], heads=[16, 128])
+QUICK = dict(batch=[32], context=[1024, 8192, 32768], q_len=[1, 4, 8], heads=[16, 128])
+TARGET = dict(B=32, Q=4, heads=16)  # the issue's target point
+
+
+def _ints(s: str) -> list[int]:
+    """'1K,8k,32768' -> [1024, 8192, 32768]."""
+    out = []
+    for x in s.split(","):
+        x = x.strip().lower()
+        if x:
+            out.append(int(x[:-1]) * 1024 if x.endswith("k") else int(x))
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="small grid (B=32, C up to 32K, Q in 1,4,8)")
+    p.add_argument("--batch", type=_ints, default=None, help="comma list, e.g. 1,8,32,64")
+    p.add_argument("--context", type=_ints, default=None, help="comma list, e.g. 1K,8K,32K,128K")
+    p.add_argument("--q-len", type=_ints, default=None, help="comma list, e.g. 1,2,4,8")
+    p.add_argument("--heads", type=_ints, default=None, help="comma list, e.g. 16,128")
+    p.add_argument("--methods", default="twostage,onepass,expand,floor")
+    p.add_argument("--backends", default="all", help="'all' (every GPU backend that serves MLA here) or a list")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--kv-lora-rank", type=int, default=512)
+    p.add_argument("--rope-dim", type=int, default=64)
+    p.add_argument("--no-graph", action="store_true", help="time eager calls instead of CUDA-graph replays")
+    p.add_argument("--slow-ms", type=float, default=30.0,
+                   help="a backend slower than this at a point is timed with 3 eager calls only")
+    p.add_argument("--out", default="benchmarks/results/bench.json")
+    p.add_argument("--plot", default=None, help="png path (default: --out with .png)")
+
+
+def _progress(items: list, desc: str):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(items, desc=desc)
+    except ImportError:  # plain prints instead of a bar
+        def gen():
+            for i, x in enumerate(items):
+                print(f"{desc}: {i + 1}/{len(items)} {x}", flush=True)
+                yield x
+
+        return gen()
+
+
+def _events_us(run: Callable[[], Any], reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return times
+
+
+def time_us(fn: Callable[[], Any], *, graph: bool = True, slow_ms: float = 30.0) -> tuple[float, bool]:
+    """Median device time of one fn() call in microseconds, and whether it ran in a CUDA graph.
+
+    fn must be graph-capturable when graph is True. Several calls go in one
+    graph so that each replay runs >= ~200 us and launch gaps stay out.
+    """
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    est = statistics.median(_events_us(fn, 3))
+    if est > slow_ms * 1e3 or not graph:
+        reps = 3 if est > slow_ms * 1e3 else max(5, min(50, int(2e5 / max(est, 1.0))))
+        return statistics.median(_events_us(fn, reps)), False
+    inner = max(1, min(32, math.ceil(200.0 / max(est, 1.0))))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(inner):
+            fn()
+    for _ in range(3):
+        g.replay()
+    reps = max(10, min(100, int(3e5 / (est * inner))))
+    t = statistics.median(_events_us(g.replay, reps)) / inner
+    del g
+    return t, True
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t, _ = time_us(lambda: dst.copy_(src), graph=False)
+    return 2 * nbytes / (t * 1e-6) / 1e9
+
+
+class _MLACall:
+    """A planned FlashInfer MLA call over a paged cache (the onepass and expand baselines)."""
+
+    def __init__(self, q: torch.Tensor, cache: torch.Tensor, qo_indptr: torch.Tensor, kv_lens: torch.Tensor,
+                 pages: torch.Tensor, causal: bool, scale: float, dv: int) -> None:
+        import flashinfer
+
+        ps = cache.shape[1]
+        npages = (kv_lens.long() + ps - 1) // ps
+        kv_indptr = torch.zeros(len(kv_lens) + 1, dtype=torch.int32, device=q.device)
+        kv_indptr[1:] = npages.cumsum(0)
+        keep = torch.arange(pages.shape[1], device=q.device)[None] < npages[:, None]
+        indices = pages[keep].to(torch.int32)
+        self.ws = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
+        self.w = flashinfer.mla.BatchMLAPagedAttentionWrapper(self.ws)
+        self.w.plan(qo_indptr, kv_indptr, indices, kv_lens.to(torch.int32), q.shape[1], dv, q.shape[2] - dv, ps,
+                    causal, scale, q.dtype, cache.dtype)
+        kv = cache[:, :, 0]
+        self.args = (q[..., :dv], q[..., dv:], kv[..., :dv], kv[..., dv:])
+
+    def __call__(self) -> torch.Tensor:
+        return self.w.run(*self.args)
+
+
+def _versions() -> dict:
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0)}
+    try:
+        import flashinfer
+
+        out["flashinfer"] = flashinfer.__version__
+    except ImportError:
+        out["flashinfer"] = None
+    return out
+
+
+def run_bench(args: argparse.Namespace) -> list[dict]:
+    """Measure the grid; returns the records (also written to args.out)."""
+    if not torch.cuda.is_available():
+        raise ValueError("expected a CUDA GPU for bench (torch.cuda.is_available() is False)")
+    grid = dict(QUICK if args.quick else FULL)
+    for k in ("batch", "context", "q_len", "heads"):
+        if getattr(args, k) is not None:
+            grid[k] = getattr(args, k)
+    methods = args.methods.split(",")
+    dt, dev, ps = torch.bfloat16, torch.device("cuda", 0), args.page_size
+    dv, d = args.kv_lora_rank, args.kv_lora_rank + args.rope_dim
+    scale = (128 + args.rope_dim) ** -0.5  # DeepSeek's (qk_nope 128 + rope 64)^-0.5; any positive value works
+    meta = {**_versions(), "date": datetime.date.today().isoformat(), "page_size": ps, "dtype": "bfloat16",
+            "graph": not args.no_graph}
+    bw = copy_bandwidth_gbs()
+    print(f"{meta['gpu']}: device copy {bw:.0f} GB/s (read + write); torch {meta['torch']}, "
+          f"flashinfer {meta['flashinfer']}", flush=True)
+    has_fi = meta["flashinfer"] is not None
+    records: list[dict] = [{**meta, "method": "copy", "backend": None, "B": None, "C": None, "Q": None,
+                            "heads": None, "N": 1, "time_us": None, "gbps": bw}]
+
+    def backends_for(h: int) -> list[str]:
+        spec = AttentionSpec("mla", h, 1, d, dv, ps, 1, scale, dt, dev)
+        ok = [n for n, why in refusals(spec).items() if not why and n != "reference"]
+        return ok if args.backends == "all" else [n for n in args.backends.split(",") if n in ok]
+
+    layers: dict[tuple[str, int], TwoStageAttention] = {}
+    slow: set[tuple] = set()  # (backend, B, Q, heads) that went past slow_ms: skip larger C
+    points = [(b, c, q, h) for b in grid["batch"] for c in sorted(grid["context"]) for q in grid["q_len"]
+              for h in grid["heads"]]
+    cache_key, cache = None, None
+    for b, c, q, h in _progress(points, "bench"):
+        gen = torch.Generator(device=dev).manual_seed(0)
+        maxq = max(grid["q_len"])
+        pages_per = -(-(c + maxq) // ps)
+        if cache_key != (b, c):  # one cache per (B, C), holding C + max Q tokens per request
+            cache = None
+            torch.cuda.empty_cache()
+            cache = torch.randn(b * pages_per, ps, 1, d, generator=gen, device=dev, dtype=dt)
+            table = torch.randperm(b * pages_per, generator=gen, device=dev).view(b, pages_per).to(torch.int32)
+            cache_key = (b, c)
+        _measure_point(records, meta, args, methods, layers, slow, backends_for, cache, table, gen, b, c, q, h,
+                       bw, has_fi)
+    cache = None
+    torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(records, f, indent=1)
+    print(format_table(records))
+    print(check_targets(records))
+    plot = args.plot or os.path.splitext(args.out)[0] + ".png"
+    if plot_records(records, plot):
+        print(f"plot: {plot}")
+    print(f"records: {args.out}")
+    return records
+
+
+def _time_twostage(attn, plan, qx, kx, cache, graph: bool, slow_ms: float) -> tuple[float, bool, float]:
+    """(layer time us, graphed, context pass alone us) for one planned step."""
+    dv = attn.config.head_dim_v
+    full, graphed = time_us(lambda: attn(qx, kx, None, cache, None, plan), graph=graph, slow_ms=slow_ms)
+    ctx, _ = time_us(lambda: attn.backend.context(qx, cache, cache[..., :dv], plan), graph=graph, slow_ms=slow_ms)
+    return full, graphed, ctx
+
+
+def _measure_point(records, meta, args, methods, layers, slow, backends_for, cache, table, gen, b, c, q, h, bw,
+                   has_fi) -> None:
+    """Time every method at one grid point (B=b, C=c, Q=q, heads=h); append records."""
+    dt, dev, ps = torch.bfloat16, cache.device, cache.shape[1]
+    dv, d = args.kv_lora_rank, args.kv_lora_rank + args.rope_dim
+    scale = (128 + args.rope_dim) ** -0.5
+    graph = not args.no_graph
+    t = b * q
+    qx = torch.randn(t, h, d, generator=gen, device=dev, dtype=dt)
+    kx = torch.randn(t, 1, d, generator=gen, device=dev, dtype=dt)
+    qsl = torch.arange(b + 1, device=dev, dtype=torch.int32) * q
+    seq = torch.full((b,), c + q, device=dev, dtype=torch.int32)
+    kv_bytes = b * c * d * 2
+    base = {**meta, "B": b, "C": c, "Q": q, "heads": h, "N": 1, "kv_bytes": kv_bytes}
+
+    def rec(method: str, backend: str | None, us: float, graphed: bool, **extra) -> None:
+        records.append({**base, "method": method, "backend": backend, "time_us": us, "graph": graphed,
+                        "gbps": kv_bytes / (us * 1e-6) / 1e9, **extra})
+
+    if "floor" in methods:
+        rec("floor", None, kv_bytes / (bw * 1e9) * 1e6, False)
+    if "twostage" in methods:
+        for name in backends_for(h):
+            if (name, b, q, h) in slow:
+                continue
+            attn = layers.get((name, h))
+            if attn is None:
+                cfg = AttentionConfig.mla(num_heads=h, kv_lora_rank=dv, rope_dim=args.rope_dim, page_size=ps,
+                                          scale=scale)
+                attn = layers[(name, h)] = TwoStageAttention(cfg, DCPLayout(), backend=name, dtype=dt, device=dev)
+            full, g1, ctx = _time_twostage(attn, attn.plan(qsl, seq, table), qx, kx, cache, graph, args.slow_ms)
+            rec("twostage", name, full, g1, context_us=ctx, overhead_us=full - ctx,
+                context_gbps=kv_bytes / (ctx * 1e-6) / 1e9)
+            if full > args.slow_ms * 1e3:
+                slow.add((name, b, q, h))
+    if has_fi and "onepass" in methods:
+        call = _MLACall(qx, cache, qsl, seq, table, True, scale, dv)
+        us, g1 = time_us(call, graph=graph, slow_ms=args.slow_ms)
+        rec("onepass", "flashinfer", us, g1)
+        del call
+    if has_fi and "expand" in methods:
+        # Request b*Q + j: query token j of request b alone, over C + j + 1 keys of b's pages.
+        j = torch.arange(q, device=dev, dtype=torch.int32).repeat(b)
+        lens = c + j + 1
+        pages = table.repeat_interleave(q, dim=0)
+        call = _MLACall(qx, cache, torch.arange(t + 1, device=dev, dtype=torch.int32), lens, pages, False,
+                        scale, dv)
+        us, g1 = time_us(call, graph=graph, slow_ms=args.slow_ms)
+        rec("expand", "flashinfer", us, g1)
+        del call
+
+
+def _index(records: list[dict]) -> dict:
+    out = {}
+    for r in records:
+        if r["method"] != "copy":
+            out[(r["method"], r["backend"], r["B"], r["C"], r["Q"], r["heads"])] = r
+    return out
+
+
+def format_table(records: list[dict]) -> str:
+    """One row per point: times in us; twostage per backend with its context pass and overhead."""
+    idx = _index(records)
+    names = sorted({r["backend"] for r in records if r["method"] == "twostage"})
+    head = f"{'B':>3} {'C':>7} {'Q':>2} {'H':>4} | {'floor':>8} {'onepass':>8} {'expand':>9}"
+    for n in names:
+        head += f" | {n[:15]:>15} {'ctx':>8} {'ovh':>6} {'2s/1p':>6}"
+    lines = [head, "-" * len(head)]
+    for b, c, q, h in sorted({(r["B"], r["C"], r["Q"], r["heads"]) for r in records if r["method"] != "copy"}):
+        def t(m, be=None, key=(b, c, q, h)):
+            r = idx.get((m, be, *key))
+            return r["time_us"] if r else float("nan")
+
+        one = t("onepass", "flashinfer")
+        row = f"{b:>3} {c:>7} {q:>2} {h:>4} | {t('floor'):>8.1f} {one:>8.1f} {t('expand', 'flashinfer'):>9.1f}"
+        for n in names:
+            r = idx.get(("twostage", n, b, c, q, h))
+            if r:
+                row += f" | {r['time_us']:>15.1f} {r['context_us']:>8.1f} {r['overhead_us']:>6.1f} " \
+                       f"{r['time_us'] / one:>6.3f}"
+            else:
+                row += f" | {'-':>15} {'-':>8} {'-':>6} {'-':>6}"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def check_targets(records: list[dict]) -> str:
+    """The issue's targets at the measured points (B=32, Q=4 unless stated), PASS/MISS with the figure."""
+    idx = _index(records)
+    copy = next((r["gbps"] for r in records if r["method"] == "copy"), float("nan"))
+    fi = "flashinfer"
+    lines = ["targets (twostage = flashinfer backend, N = 1, CUDA graph):"]
+
+    def get(m, be, b, c, q, h):
+        r = idx.get((m, be, b, c, q, h))
+        return r
+
+    cs = sorted({r["C"] for r in records if r["method"] == "twostage"})
+    for c in cs:
+        for h in (16, 128):
+            ts, op = get("twostage", fi, 32, c, 4, h), get("onepass", fi, 32, c, 4, h)
+            if ts and op:
+                limit = 1.00 if (h == 16 and c < 32768) else 1.03
+                ratio = ts["time_us"] / op["time_us"]
+                lines.append(f"  twostage/onepass B=32 Q=4 H={h} C={c}: {ratio:.3f} (<= {limit:.2f}) "
+                             f"{'PASS' if ratio <= limit else 'MISS'}")
+    ts = get("twostage", fi, 32, 32768, 4, 16)
+    if ts:
+        frac = ts["context_gbps"] / copy
+        lines.append(f"  context pass B=32 C=32K H=16: {ts['context_gbps']:.0f} GB/s = {frac:.1%} of copy "
+                     f"{copy:.0f} GB/s (>= 95%) {'PASS' if frac >= 0.95 else 'MISS'}")
+        lines.append(f"  overhead (query pass + merge + launches) B=32 Q=4 H=16 C=32K: {ts['overhead_us']:.1f} us "
+                     f"(<= 10) {'PASS' if ts['overhead_us'] <= 10 else 'MISS'}")
+    for c in cs:
+        for q in (4, 8):
+            for h in (16, 128):
+                ts, ex = get("twostage", fi, 32, c, q, h), get("expand", fi, 32, c, q, h)
+                if ts and ex and (h == 128 or c >= 8192):
+                    sp = ex["time_us"] / ts["time_us"]
+                    want = 2.0 if h == 16 else 1.0
+                    lines.append(f"  expand/twostage B=32 Q={q} H={h} C={c}: {sp:.2f}x (>= {want:.0f}x) "
+                                 f"{'PASS' if sp >= want else 'MISS'}")
+    return "\n".join(lines)
+
+
+def plot_records(records: list[dict], path: str) -> bool:
+    """Time against C per method at the target point (B=32, Q=4), 16 and 128 heads; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    pts = [r for r in records if r["method"] != "copy"]
+    if not pts:
+        return False
+    bs = {r["B"] for r in pts}
+    qs = {r["Q"] for r in pts}
+    b = TARGET["B"] if TARGET["B"] in bs else max(bs)
+    q = TARGET["Q"] if TARGET["Q"] in qs else max(qs)
+    heads = sorted({r["heads"] for r in pts})
+    fig, axes = plt.subplots(1, len(heads), figsize=(6 * len(heads), 4.5), squeeze=False)
+    for ax, h in zip(axes[0], heads):
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in pts:
+            if r["B"] == b and r["Q"] == q and r["heads"] == h:
+                label = r["method"] if r["method"] != "twostage" else f"twostage[{r['backend']}]"
+                series.setdefault(label, []).append((r["C"], r["time_us"]))
+                if r["method"] == "twostage" and r["backend"] == "flashinfer":
+                    series.setdefault("context pass[flashinfer]", []).append((r["C"], r["context_us"]))
+        for label, xy in sorted(series.items()):
+            xy.sort()
+            ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=label,
+                    linestyle="--" if label in ("floor", "expand") else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context length C (tokens)")
+        ax.set_ylabel("time per layer (us)")
+        ax.set_title(f"MLA 576/512, B={b}, Q={q}, {h} heads, bf16")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    gpu = pts[0].get("gpu", "")
+    fig.suptitle(f"twostage-mla bench on {gpu} (N = 1, CUDA graph)")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return True
