@@ -1,0 +1,52 @@
+"""The cost model of docs/cost_model.md, and a gloo smoke run of benchmarks/prefill_cost.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import prefill_cost as pc  # noqa: E402
+
+D, DV, E = 576, 512, 2  # DeepSeek-V3 latent widths, bf16
+
+
+@pytest.mark.parametrize(
+    "n, h, t, c, gather_mb, split_mb",
+    [
+        (2, 32, 128, 1 << 20, 603.98, 4.46),  # the worked numbers of docs/cost_model.md
+        (8, 128, 128, 1 << 20, 1056.96, 31.25),
+        (2, 32, 512, 131072, 75.50, 17.86),
+        (2, 32, 8192, 32768, 18.87, 285.74),
+        (8, 128, 8192, 131072, 132.12, 2000.16),
+    ],
+)
+def test_predicted_bytes_worked_numbers(n, h, t, c, gather_mb, split_mb):
+    b = pc.predicted_bytes(n, t, h, c, D, DV, E)
+    assert b["gather_kv"] / 1e6 == pytest.approx(gather_mb, abs=0.01)
+    assert b["split_a2a"] / 1e6 == pytest.approx(split_mb, abs=0.01)
+
+
+def test_crossover_is_1_89_heads():
+    # split_a2a == gather_kv exactly at C / T = H * (D*e + Dv*e + 4) / (D*e)
+    h, t = 32, 100
+    c = h * t * (D * E + DV * E + 4) / (D * E)
+    b = pc.predicted_bytes(2, t, h, c, D, DV, E)
+    assert b["gather_kv"] == pytest.approx(b["split_a2a"])
+    assert c / t / h == pytest.approx(1.892, abs=1e-3)
+
+
+def test_benchmark_runs_on_gloo(tmp_path):
+    out = tmp_path / "res.json"
+    argv = "--device cpu --tokens 4 --contexts 512 8192 --heads-per-rank 2 --kv-lora-rank 32 --rope-dim 16"
+    argv = argv.split() + ["--iters", "2", "--warmup", "1", "--out", str(out)]
+    assert pc.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert len(res["rows"]) == 2 and res["env"]["dist_backend"] == "gloo"
+    for r in res["rows"]:
+        assert all(v > 0 for v in r["ms"].values())
+        # (N-1)/N * T * H * (D*e + Dv*e + 4), N = 2, T = 4, H = 2*2, D = 48, Dv = 32, bf16
+        assert r["predicted_bytes"]["split_a2a"] == pytest.approx(0.5 * 4 * 4 * (48 * 2 + 32 * 2 + 4))
