@@ -115,7 +115,7 @@ def test_dcp_decoding_matches_transformers(setup, world):
         for r in range(world):
             # 3. each layer's attention in a verify step (tree mask included) = the float64 oracle
             err = ex.oracle_error(model, results[r][i].traces[0], scale)
-            assert err < 1e-5, f"{what} rank {r}: attention vs oracle rel err {err:.2e}"
+            assert err < 5e-5, f"{what} rank {r}: attention vs oracle rel err {err:.2e}"
             # 4. the shard holds transformers' own latent cache at the positions this rank owns
             err = ex.shard_error(model, results[r][i], DCPLayout(world, r, case["interleave"]), PAGE)
             assert err < 1e-4, f"{what} rank {r}: shard vs transformers' cache abs err {err:.2e}"
