@@ -9,8 +9,8 @@ runs on CPUs in seconds:
    context: large Q through the same split), then speculative verification
    steps of Q tokens (a chain) or a token tree, all through TwoStageAttention;
 3. checks: logits against transformers' at every position we computed,
-   greedy tokens against ``generate``, each layer's attention in a tree step
-   against ``oracle_attention`` with the same parents, and the shards against
+   greedy tokens against ``generate``, each layer's attention in a verify step
+   against ``oracle_attention`` with the same parents (tree or chain), and the shards against
    transformers' own latent cache.
 
     python examples/deepseek_v3_dcp.py --world-size 2 --interleave 4 --q-len 4
@@ -175,7 +175,7 @@ class NoisyOracleDrafter:
         return [self._token(b, len(tokens) + i, True) for i in range(k)]
 
     def tree(self, b: int, tokens: list[int], parents: tuple[int, ...]) -> list[int]:
-        """A token for every node of ``parents`` but the root (node 0 = tokens[-1])."""
+        """A token for every node of the tree ``parents``; node 0, the root, is tokens[-1]."""
         out = [tokens[-1]]
         on_path = [True]  # node follows the reference so far
         depth = [0]
