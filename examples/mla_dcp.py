@@ -218,7 +218,7 @@ class DCPDeepseekV3:
 
         input_ids: (T,) int64; positions: (T,) int64, each token's rope position
             (context + index for a chain, context + depth in a tree).
-        write_cache: write every token's latent at slot ``plan.new_token_slots()``
+        write_cache: write the latents of the tokens this rank owns (``plan.write_new_tokens``)
             (chains and prefill); with False the caller commits the ones it keeps
             with :meth:`commit` (tree speculation).
         returns logits (T, vocab) and the step's latents, one (T, 1, R + P) per layer.
@@ -227,21 +227,16 @@ class DCPDeepseekV3:
         h = m.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = m.rotary_emb(h, positions[None])  # (1, T, P) each, yarn attention factor included
         cos, sin = cos[0], sin[0]
-        write = None
-        if write_cache:  # once per step, shared by every layer: (source rows, destination slots) of this rank
-            slots = plan.new_token_slots()  # (T,) slot on this rank, -1 where another rank owns the token
-            src = (slots >= 0).nonzero().squeeze(1)  # the one host sync of the write, here and not per layer
-            write = (src, slots[src])
         fresh = []
         for i, layer in enumerate(m.layers):
             x = layer.input_layernorm(h)
-            o, kv_new = self._attention(i, layer.self_attn, x, cos, sin, plan, write, trace)
+            o, kv_new = self._attention(i, layer.self_attn, x, cos, sin, plan, write_cache, trace)
             fresh.append(kv_new)
             h = h + o
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.lm_head(m.norm(h)), fresh
 
-    def _attention(self, i, a, x, cos, sin, plan, write, trace):
+    def _attention(self, i, a, x, cos, sin, plan, write_cache, trace):
         cfg, t = self.cfg, x.shape[0]
         nope, rope, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         q = a.q_b_proj(a.q_a_layernorm(a.q_a_proj(x))) if a.q_lora_rank is not None else a.q_proj(x)
@@ -254,9 +249,8 @@ class DCPDeepseekV3:
         q_abs = torch.cat([torch.einsum("thn,hnr->thr", q_nope, self.w_uk[i]), q_pe], dim=-1)  # (T, H_loc, R + P)
         kv_new = torch.cat([c[:, None], k_pe], dim=-1)  # (T, 1, R + P)
         cache = self.cache.layers[i]  # (pages, page_size, 1, R + P)
-        if write is not None:  # this rank's new tokens into its shard
-            src, dst = write
-            cache.view(-1, 1, r + rope)[dst] = kv_new[src]
+        if write_cache:  # this rank's new tokens into its shard (indices from the plan: no host sync)
+            plan.write_new_tokens(cache, kv_new)
         o_lat = self.attn(q_abs, kv_new, None, cache, None, plan)  # (T, H_loc, R)
         if trace is not None:
             trace.append(LayerTrace(q_abs, kv_new, o_lat))

@@ -69,9 +69,7 @@ plan = attn.plan(query_start_loc.to(device), seq_lens.to(device), block_table)
 kv_new = torch.cat([kv[c:] for kv, c in zip(all_kv, context)]).to(device)  # (T, 1, D)
 q = q_all_heads[:, rank * cfg.num_heads : (rank + 1) * cfg.num_heads].to(device)  # local heads
 
-slots = plan.new_token_slots()  # engines write the step's latents before attention
-keep = slots >= 0
-kv_cache.view(-1, 1, D)[slots[keep]] = kv_new[keep]
+plan.write_new_tokens(kv_cache, kv_new)  # engines write the step's latents before attention
 out = attn(q, kv_new, None, kv_cache, None, plan)  # (T, H_loc, 512); repeat per layer
 
 # --- check against the float64 oracle over the unsharded cache ------------------------------

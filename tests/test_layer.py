@@ -47,8 +47,8 @@ def _grid(rank: int, world: int, grid: list[dict]) -> list[tuple[dict, float]]:
     results = []
     for c in grid:
         mla = c["fmt"] == "mla"
-        # MLA: 2 heads per rank, D = 16 + 8; GQA: 4 heads per rank over 2 KV heads, D=16, Dv=8
-        h, hk, d, dv = (2, 1, 24, 16) if mla else (4, 2, 16, 8)
+        # MLA: 1 or 2 heads per rank, D = 16 + 8; GQA: 4 heads per rank over 2 KV heads, D=16, Dv=8
+        h, hk, d, dv = (1 + c["seed"] % 2, 1, 24, 16) if mla else (4, 2, 16, 8)
         cfg = AttentionConfig(h, d, dv, c["ps"], d**-0.5, hk, c["fmt"])
         layout = DCPLayout(world, rank, c["il"])
         step = synthetic.make_step(
@@ -63,7 +63,10 @@ def _grid(rank: int, world: int, grid: list[dict]) -> list[tuple[dict, float]]:
             dtype=c["dtype"],
             seed=c["seed"],
         )
-        x = synthetic.rank_inputs(step, layout, c["ps"], mla=mla, dtype=c["dtype"], device="cpu", seed=c["seed"])
+        # Unwritten cache slots hold NaN, as in an engine's torch.empty cache: never read them.
+        x = synthetic.rank_inputs(
+            step, layout, c["ps"], mla=mla, dtype=c["dtype"], device="cpu", seed=c["seed"], fill=float("nan")
+        )
         attn = TwoStageAttention(cfg, layout, group=dist.group.WORLD, combine=c["combine"], dtype=c["dtype"])
         plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)
         out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)

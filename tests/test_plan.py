@@ -28,6 +28,12 @@ def test_worked_example():
     # new tokens at positions 9 10 11 | 2: rank 1 owns 10, 11 (local 4, 5: page 1 of row 0)
     # and 2 (local 0: page 8, the first of row 1)
     assert p.new_token_slots().tolist() == [-1, 1 * 4 + 0, 1 * 4 + 1, 8 * 4 + 0]
+    assert p.write_rows.tolist() == [1, 2, 3] and p.write_slots.tolist() == [4, 5, 32]
+    cache = torch.zeros(16, 4, 1, 3)
+    new = torch.arange(12.0).view(4, 1, 3) + 1
+    p.write_new_tokens(cache, new)
+    flat = cache.view(-1, 1, 3)
+    assert torch.equal(flat[[4, 5, 32]], new[1:]) and flat.abs().sum() == new[1:].sum()
 
 
 def test_tree_mask_is_ancestor_or_self():

@@ -1,6 +1,6 @@
 """Building a rank's paged shard of the KV cache from unsharded K/V.
 
-Engines write their caches themselves (with :meth:`StepPlan.new_token_slots`);
+Engines write their caches themselves (with :meth:`StepPlan.write_new_tokens`);
 this helper builds one from whole sequences, for prefill, tests and the demo.
 """
 
@@ -19,14 +19,17 @@ def build_shard(
     *,
     extra_pages: int = 0,
     generator: torch.Generator | None = None,
+    fill: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``layout.rank``'s paged cache holding its positions of every request.
 
     kv: (S, H_kv, D) requests' positions 0 .. seq_lens[b]-1 concatenated.
     seq_lens: (B,) int.
-    extra_pages: unused pages to add (filled with noise, so a kernel that
-        reads past a request's length shows up as an error).
+    extra_pages: unused pages to add.
     generator: if given, pages are handed out in a random order.
+    fill: value of every slot no position is written to (None: random
+        noise), so a kernel that reads past a request's length shows up;
+        NaN imitates an engine's uninitialised cache.
     returns cache (P, page_size, H_kv, D) kv.dtype, block_table (B, max_pages) int32.
     """
     n, r, i = layout.world_size, layout.rank, layout.interleave
@@ -40,8 +43,11 @@ def build_shard(
     for b, p in enumerate(pages):
         block_table[b, :p] = order[used : used + p].to(torch.int32)
         used += p
-    noise = torch.randn(total * page_size, *kv.shape[1:], generator=generator, dtype=torch.float32)
-    cache = noise.to(kv.dtype)
+    shape = (total * page_size, *kv.shape[1:])
+    if fill is None:
+        cache = torch.randn(shape, generator=generator, dtype=torch.float32).to(kv.dtype)
+    else:
+        cache = torch.full(shape, fill, dtype=kv.dtype)
     positions = torch.cat([torch.arange(s) for s in sl]) if sl else torch.zeros(0, dtype=torch.long)
     request = torch.repeat_interleave(torch.arange(len(sl)), torch.tensor(sl, dtype=torch.long))
     slots = kv_slots(positions, request, block_table, page_size, layout)

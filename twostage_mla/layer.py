@@ -13,7 +13,7 @@ per layer, ``out = attn(q, k, v, k_cache, v_cache, plan)``, which on rank r:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -185,7 +185,7 @@ class TwoStageAttention:
             query_start_loc, seq_lens, block_table, page_size=self.config.page_size, layout=self.layout, parents=parents
         )
         state = self.backend.plan(plan)
-        return StepPlan(**{**plan.__dict__, "backend": self.backend.name, "backend_state": state})
+        return replace(plan, backend=self.backend.name, backend_state=state)
 
     def __call__(
         self,

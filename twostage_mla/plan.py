@@ -6,7 +6,7 @@ and to size buffers), so the per-layer call never has to.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -48,18 +48,28 @@ class StepPlan:
     block_table: torch.Tensor  # (B, max_pages) int32, this rank's pages
     token_request: torch.Tensor  # (T,) int64, request of each token
     token_offset: torch.Tensor  # (T,) int64, j: index of the token within its request
+    write_rows: torch.Tensor  # (W,) int64, tokens of the step this rank stores
+    write_slots: torch.Tensor  # (W,) int64, their flat slots in this rank's cache
     query_mask: torch.Tensor | None = None  # (B, max_q_len, max_q_len) bool; None = causal
     backend: str | None = None
     backend_state: Any = None
 
     def new_token_slots(self) -> torch.Tensor:
-        """(T,) int64: flat slot of each new token in this rank's cache, -1 if not here.
+        """(T,) int64: flat slot of each new token in this rank's cache, -1 if not here."""
+        return _new_token_slots(self)
 
-        Write the step's K/V into the shard with
-        ``keep = s >= 0; cache.view(-1, H_kv, D)[s[keep]] = k[keep]``.
+    def write_new_tokens(self, cache: torch.Tensor, new: torch.Tensor) -> None:
+        """Store the step's fresh K (or V) of the tokens this rank owns into its shard.
+
+        cache: (P, page_size, H_kv, D), written in place; new: (T, H_kv, D), same dtype.
+        No host synchronisation (indices come from the plan): call it per layer.
         """
-        positions = self.context_lens.long()[self.token_request] + self.token_offset
-        return kv_slots(positions, self.token_request, self.block_table, self.page_size, self.layout)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, self.write_slots, new.index_select(0, self.write_rows))
+
+
+def _new_token_slots(plan: StepPlan) -> torch.Tensor:
+    positions = plan.context_lens.long()[plan.token_request] + plan.token_offset
+    return kv_slots(positions, plan.token_request, plan.block_table, plan.page_size, plan.layout)
 
 
 def _int_tensor(name: str, x: Any, dim: int) -> torch.Tensor:
@@ -174,7 +184,7 @@ def plan_step(
         query_mask = _ancestor_mask(par_h, qsl, max_q).to(device)
 
     i32 = dict(dtype=torch.int32, device=device)
-    return StepPlan(
+    plan = StepPlan(
         layout=layout,
         page_size=page_size,
         num_tokens=t,
@@ -190,5 +200,10 @@ def plan_step(
         block_table=bt.to(torch.int32),
         token_request=token_request.to(device),
         token_offset=token_offset.to(device),
+        write_rows=torch.zeros(0, dtype=torch.int64, device=device),
+        write_slots=torch.zeros(0, dtype=torch.int64, device=device),
         query_mask=query_mask,
     )
+    slots = _new_token_slots(plan)
+    rows = (slots >= 0).nonzero().flatten()  # a host sync, once per step
+    return replace(plan, write_rows=rows, write_slots=slots[rows])

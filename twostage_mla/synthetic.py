@@ -117,15 +117,17 @@ def rank_inputs(
     dtype: torch.dtype,
     device: torch.device | str,
     seed: int = 0,
+    fill: float | None = None,
 ) -> RankInputs:
     """Slice this rank's heads and build its shard (pages in random order).
 
     The shard also holds the step's new tokens, as an engine that writes the
     cache before attention would: the context pass must not read them.
+    fill: value of unwritten cache slots (None: noise; NaN: like torch.empty).
     """
     h = step.q.shape[1] // layout.world_size
     g = torch.Generator().manual_seed(seed + 7919 * layout.rank)
-    k_cache, bt = build_shard(step.kv, step.seq_lens, layout, page_size, extra_pages=2, generator=g)
+    k_cache, bt = build_shard(step.kv, step.seq_lens, layout, page_size, extra_pages=2, generator=g, fill=fill)
     v_cache = None
     if not mla:
         v_cache, bt_v = build_shard(
@@ -135,6 +137,7 @@ def rank_inputs(
             page_size,
             extra_pages=2,
             generator=torch.Generator().manual_seed(seed + 7919 * layout.rank),
+            fill=fill,
         )
         assert torch.equal(bt, bt_v)
     rows = step.new_token_rows

@@ -56,8 +56,10 @@ class ReferenceBackend(AttentionBackend):
         pages = plan.block_table.long()[:, idx // ps]  # (B, n)
         # Table entries past a request's length may hold anything: read slot 0 there.
         slots = torch.where(visible, pages * ps + idx % ps, 0)
-        k = k_cache.reshape(-1, *k_cache.shape[2:])[slots]  # (B, n, H_kv, D)
-        v = v_cache.reshape(-1, *v_cache.shape[2:])[slots]
+        # Zero what is not visible: slot 0 of an engine's cache may hold NaN, and 0 * NaN = NaN.
+        hide = ~visible[:, :, None, None]
+        k = k_cache.reshape(-1, *k_cache.shape[2:])[slots].masked_fill(hide, 0)  # (B, n, H_kv, D)
+        v = v_cache.reshape(-1, *v_cache.shape[2:])[slots].masked_fill(hide, 0)
         mask = visible[:, None, :].expand(-1, plan.max_q_len, -1)
         o, lse = dense_attention(_pad(q, plan), k, v, mask, self.spec.scale)
         return o[plan.token_request, plan.token_offset].to(q.dtype), lse[plan.token_request, plan.token_offset]
