@@ -155,6 +155,8 @@ class _MLAWrapper:
             ob, lb = attend(q_pe[qo[r]:qo[r + 1]], kb, cb, _bottom_right(m, n, causal), scale,
                             qv=q_nope[qo[r]:qo[r + 1]], kv=cb)
             out[qo[r]:qo[r + 1]] = ob.to(out.dtype)
+            # No keys: the fa3 kernel leaves m at its finite "-inf" (-5e4, log2), seen on an H200.
+            lb = torch.where(torch.isneginf(lb), -5e4 / LOG2E, lb)
             lse[qo[r]:qo[r + 1]] = (lb if return_lse_base_on_e else lb * LOG2E).float()
         return (out, lse) if return_lse else out
 

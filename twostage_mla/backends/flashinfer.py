@@ -15,8 +15,10 @@ problem is a few tokens per request, and it keeps one module per layout.
 
 lse: the MLA run is asked for base e (``return_lse_base_on_e``, FlashInfer
 >= 0.5.3); the prefill wrappers return log2 and are scaled by ln 2. Rows with
-no context: the MLA kernel returns (0, -inf) itself (read in mla_hopper.cuh,
-checked by tests/test_backends_gpu.py); the prefill rows are masked after.
+no context are masked to (0, -inf) after the kernel: on an H200 the fa3 MLA
+kernel wrote o = 0 but lse = -34656 (its finite "-inf", -5e4 in log2) there,
+harmless in a merge with a non-empty state but not the contract (and only
+done when the step has such rows, or always in capture mode).
 
 Every ``plan()`` of a wrapper happens in :meth:`FlashInferBackend.plan`, once
 per step; ``context`` / ``query`` only run kernels and are graph-capturable.
@@ -183,7 +185,6 @@ class FlashInferBackend(AttentionBackend):
                 # The fresh K/V as a cache of one-token pages: page i is token i.
                 tok = torch.arange(plan.num_tokens, dtype=torch.int32, device=qsl.device)
                 w.qry.plan(qsl, qsl, tok, plan.q_lens, s.num_heads, dv, dr, 1, True, scale, dt, dt)
-            empty = None  # the MLA kernel writes (0, -inf) for kv_len == 0 itself
         else:
             w.ctx.plan(qsl, page_indptr, page_indices, last_page_lens(plan), self._ctx_heads, s.num_kv_heads,
                        s.head_dim, plan.page_size, head_dim_vo=s.head_dim_v, causal=False, sm_scale=scale,
@@ -191,11 +192,11 @@ class FlashInferBackend(AttentionBackend):
             if not dense:
                 w.qry.plan(qsl, qsl, s.num_heads, s.num_kv_heads, s.head_dim, head_dim_vo=s.head_dim_v,
                            causal=True, sm_scale=scale, q_data_type=dt, kv_data_type=dt)
-            empty = empty_context_rows(plan)
-            if w.empty_rows is not None:  # capture mode: always mask, through the fixed buffer
-                buf = w.empty_rows[: plan.num_tokens]
-                buf.copy_(empty if empty is not None else torch.zeros_like(buf))
-                empty = buf
+        empty = empty_context_rows(plan)
+        if w.empty_rows is not None:  # capture mode: always mask, through the fixed buffer
+            buf = w.empty_rows[: plan.num_tokens]
+            buf.copy_(empty if empty is not None else torch.zeros_like(buf))
+            empty = buf
         w.generation += 1
         return FlashInferState(w, w.generation, empty, dense)
 
@@ -227,7 +228,7 @@ class FlashInferBackend(AttentionBackend):
             kv = k_cache[:, :, 0]  # (P, page, D): the one latent head
             st.wrappers.ctx.run(q[..., :dv], q[..., dv:], kv[..., :dv], kv[..., dv:], out=o, lse=lse,
                                 return_lse=True, return_lse_base_on_e=True)
-            return o, lse
+            return mask_empty_rows(o, lse, st.empty_rows)
         st.wrappers.ctx.run(q, (k_cache, v_cache), out=o, lse=lse, return_lse=True)
         lse.mul_(LN2)
         return mask_empty_rows(o, lse, st.empty_rows)
