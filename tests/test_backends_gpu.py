@@ -51,12 +51,14 @@ def _serving(cfg: AttentionConfig, dtype: torch.dtype) -> list[str]:
     return [n for n, why in refusals(_spec(cfg, dtype)).items() if not why]
 
 
-def _run(name, cfg, dtype, ctx, ql, *, tree=False, seed=0, limits=None):
+def _run(name, cfg, dtype, ctx, ql, *, tree=False, seed=0, limits=None, fuse=None, fill=None):
     fmt_mla = cfg.kv_format == "mla"
     step = synthetic.make_step(ctx, ql, heads=cfg.num_heads, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
                                kv_heads=cfg.num_kv_heads, mla=fmt_mla, tree=tree, dtype=dtype, seed=seed)
-    x = synthetic.rank_inputs(step, DCPLayout(), cfg.page_size, mla=fmt_mla, dtype=dtype, device=DEV, seed=seed)
-    attn = TwoStageAttention(cfg, DCPLayout(), backend=name, dtype=dtype, device=DEV, **(limits or {}))
+    x = synthetic.rank_inputs(step, DCPLayout(), cfg.page_size, mla=fmt_mla, dtype=dtype, device=DEV, seed=seed,
+                              fill=fill)
+    attn = TwoStageAttention(cfg, DCPLayout(), backend=name, dtype=dtype, device=DEV, fuse_query=fuse,
+                             **(limits or {}))
     plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)
     return step, x, attn, plan
 
@@ -90,17 +92,31 @@ def _cases() -> list[tuple]:
 CASES = _cases()
 
 
+@pytest.mark.parametrize("fuse", [None, False], ids=["fused-query", "backend-query"])
 @pytest.mark.parametrize("name", [n for n in backend_names()])
 @pytest.mark.parametrize("fmt,heads,dtype,page,tree,ctx,ql", CASES,
                          ids=[f"{c[0]}-{str(c[2])[6:]}-p{c[3]}{'-tree' if c[4] else ''}" for c in CASES])
-def test_backend_matches_oracle(name, fmt, heads, dtype, page, tree, ctx, ql):
+def test_backend_matches_oracle(name, fmt, heads, dtype, page, tree, ctx, ql, fuse):
     cfg = _config(fmt, heads, page)
     if name not in _serving(cfg, dtype):
         pytest.skip(f"{name}: {'; '.join(refusals(_spec(cfg, dtype))[name])}")
-    step, x, attn, plan = _run(name, cfg, dtype, ctx, ql, tree=tree, seed=page)
+    step, x, attn, plan = _run(name, cfg, dtype, ctx, ql, tree=tree, seed=page, fuse=fuse)
+    assert (attn.query_merge is None) == (fuse is False)  # on CUDA the registry picks the fused kernel
     out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
     rel, lse_err = _check(step, cfg, dtype, out, lse, name)
-    print(f"{name} {fmt} {dtype} page {page} tree {tree}: rel {rel:.2e} lse {lse_err:.2e}")
+    print(f"{name} {fmt} {dtype} page {page} tree {tree} fuse {fuse}: rel {rel:.2e} lse {lse_err:.2e}")
+
+
+@pytest.mark.parametrize("name", [n for n in backend_names()])
+@pytest.mark.parametrize("fmt", ["mla", "gqa"])
+def test_nan_in_unwritten_cache_slots(name, fmt):
+    """An engine's torch.empty cache may hold NaN past a request's length: it must never leak in."""
+    cfg = _config(fmt, 16 if fmt == "mla" else 8, 64)
+    if name not in _serving(cfg, torch.bfloat16):
+        pytest.skip(f"{name} does not serve {fmt} here")
+    step, x, attn, plan = _run(name, cfg, torch.bfloat16, [0, 5, 70, 700], [3, 2, 8, 1], seed=3, fill=float("nan"))
+    out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
+    _check(step, cfg, torch.bfloat16, out, lse, f"{name} with NaN in unwritten slots")
 
 
 @pytest.mark.parametrize("name", [n for n in backend_names() if n != "reference"])

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from twostage_mla import comm
-from twostage_mla.backends import AttentionSpec, CaptureLimits, select_backend, select_merge
+from twostage_mla.backends import AttentionSpec, CaptureLimits, select_backend, select_merge, select_query_merge
 from twostage_mla.layout import DCPLayout
 from twostage_mla.plan import StepPlan, plan_step
 
@@ -103,6 +103,10 @@ class TwoStageAttention:
         keeps its metadata there, so a graph captured once replays correctly
         after later plans of the same B and T. Without them a captured graph
         is valid for the plan it was captured with.
+    fuse_query: run the query pass inside the final merge (one Triton kernel,
+        :mod:`twostage_mla.kernels.query_merge`) instead of the backend's own
+        query pass plus a merge. None: wherever that kernel runs (CUDA with
+        Triton); True: require it; False: never.
 
     One instance serves every layer with this config; ``plan`` once per step,
     then call it per layer. Example (one rank, CPU)::
@@ -126,6 +130,7 @@ class TwoStageAttention:
         max_batch_size: int | None = None,
         max_tokens: int | None = None,
         max_pages: int | None = None,
+        fuse_query: bool | None = None,
     ) -> None:
         if not isinstance(config, AttentionConfig):
             raise ValueError(f"expected config to be an AttentionConfig, got {type(config).__name__}")
@@ -148,6 +153,8 @@ class TwoStageAttention:
                 )
         self.config, self.layout, self.group, self.combine = config, layout, group, combine
         self.dtype, self.device = dtype, torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" means the current GPU: name it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.spec = AttentionSpec(
             kv_format=config.kv_format,
             num_heads=config.num_heads,
@@ -163,6 +170,12 @@ class TwoStageAttention:
         limits = CaptureLimits(max_batch_size, max_tokens, max_pages)
         self.backend = select_backend(self.spec, backend)(self.spec, limits)
         self.merge = select_merge(self.spec)
+        self.query_merge = None if fuse_query is False else select_query_merge(self.spec)
+        self.backend.query_pass = self.query_merge is None
+        if fuse_query and self.query_merge is None:
+            raise ValueError(
+                f"expected fuse_query in (None, False) on {self.device}: the fused kernel needs CUDA and Triton"
+            )
 
     def plan(
         self,
@@ -230,11 +243,12 @@ class TwoStageAttention:
             _check("v", v, (t, hk, dv), self.dtype, self.device)
             _check("v_cache", v_cache, (k_cache.shape[0], cfg.page_size, hk, dv), self.dtype, self.device)
 
-        n = self.layout.world_size
+        n, q_local = self.layout.world_size, q
         if n > 1:
             gathered, work = comm.gather_queries(q, self.group, n)
-        with record_function(PHASES[0]):
-            o_q, lse_q = self.backend.query(q, k, v, plan)  # overlaps the all-gather
+        if self.query_merge is None:
+            with record_function(PHASES[0]):
+                o_q, lse_q = self.backend.query(q, k, v, plan)  # overlaps the all-gather
         if n > 1:
             with record_function(PHASES[1]):
                 work.wait()
@@ -252,5 +266,8 @@ class TwoStageAttention:
                     o_c, lse_c = comm.combine_ag_rs(o_c, lse_c, self.group, rank=self.layout.rank)
                     o_c, lse_c = o_c[None], lse_c[None]
         with record_function(PHASES[4]):
-            out, lse = self.merge(o_c, lse_c, extra=(o_q, lse_q), out_dtype=self.dtype)
+            if self.query_merge is None:
+                out, lse = self.merge(o_c, lse_c, extra=(o_q, lse_q), out_dtype=self.dtype)
+            else:  # query pass and merge in one kernel
+                out, lse = self.query_merge(q_local, k, v, plan, o_c, lse_c, scale=cfg.scale, out_dtype=self.dtype)
         return (out, lse) if return_lse else out

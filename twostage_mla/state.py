@@ -17,6 +17,7 @@ merging two empty states gives the empty state (never NaN).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -37,7 +38,7 @@ def normalize_lse(lse: torch.Tensor, *, base2: bool = False) -> torch.Tensor:
     """
     lse = lse.float()
     if base2:
-        lse = lse * torch.log(torch.tensor(2.0, dtype=torch.float32, device=lse.device))
+        lse = lse * math.log(2.0)  # a Python constant: no tensor made per call (CUDA-graph safe)
     bad = torch.isnan(lse) | torch.isposinf(lse)
     return lse.masked_fill(bad, NEG_INF)
 

@@ -8,6 +8,9 @@ A backend the user names is checked the same way.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
+
+import torch
 
 from twostage_mla.backends.base import AttentionBackend, AttentionSpec, CaptureLimits, State
 from twostage_mla.backends.flash_attn import FlashAttn2Backend, FlashAttn3Backend
@@ -27,6 +30,7 @@ __all__ = [
     "refusals",
     "select_backend",
     "select_merge",
+    "select_query_merge",
 ]
 
 # Priority order: fastest first; the reference last, since it runs everywhere.
@@ -79,3 +83,17 @@ def select_merge(spec: AttentionSpec) -> MergeFn:
 
         return merge_states_triton
     return merge_states
+
+
+def select_query_merge(spec: AttentionSpec) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """The query pass fused into the final merge, where there is a kernel for it, else None.
+
+    Triton on CUDA: (q, k, v, plan, ctx_o (K, T, H, Dv), ctx_lse (K, T, H), *,
+    scale, out_dtype) -> (o, lse); replaces the backend's query pass and the
+    last merge (see :mod:`twostage_mla.kernels.query_merge`).
+    """
+    if spec.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        from twostage_mla.kernels.query_merge import query_merge_triton
+
+        return query_merge_triton
+    return None

@@ -123,6 +123,10 @@ class AttentionBackend:
         """Backend-specific refusals beyond the declared attributes."""
         return []
 
+    # False when the layer fuses the query pass into its merge kernel: query()
+    # is then never called, and plan() need not prepare it.
+    query_pass: bool = True
+
     def __init__(self, spec: AttentionSpec, limits: CaptureLimits | None = None) -> None:
         self.spec = spec
         self.limits = limits or CaptureLimits()

@@ -177,11 +177,12 @@ class FlashInferBackend(AttentionBackend):
         page_indptr, page_indices = page_lists(plan)
         w = self._wrappers_for(plan, int(page_indptr[-1]))
         dense = plan.query_mask is not None
+        plan_query = not dense and self.query_pass
         if self._mla:
             dv, dr = s.head_dim_v, s.head_dim - s.head_dim_v
             w.ctx.plan(qsl, page_indptr, page_indices, plan.local_context_lens, self._ctx_heads, dv, dr,
                        plan.page_size, False, scale, dt, dt)
-            if not dense:
+            if plan_query:
                 # The fresh K/V as a cache of one-token pages: page i is token i.
                 tok = torch.arange(plan.num_tokens, dtype=torch.int32, device=qsl.device)
                 w.qry.plan(qsl, qsl, tok, plan.q_lens, s.num_heads, dv, dr, 1, True, scale, dt, dt)
@@ -189,7 +190,7 @@ class FlashInferBackend(AttentionBackend):
             w.ctx.plan(qsl, page_indptr, page_indices, last_page_lens(plan), self._ctx_heads, s.num_kv_heads,
                        s.head_dim, plan.page_size, head_dim_vo=s.head_dim_v, causal=False, sm_scale=scale,
                        q_data_type=dt, kv_data_type=dt)
-            if not dense:
+            if plan_query:
                 w.qry.plan(qsl, qsl, s.num_heads, s.num_kv_heads, s.head_dim, head_dim_vo=s.head_dim_v,
                            causal=True, sm_scale=scale, q_data_type=dt, kv_data_type=dt)
         empty = empty_context_rows(plan)

@@ -1,0 +1,91 @@
+"""The fused query-pass + merge kernel against the reference (TRITON_INTERPRET=1 on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_helpers import run_ranks
+from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention, synthetic
+from twostage_mla.state import merge_states
+
+pytest.importorskip("triton")
+from twostage_mla.kernels.query_merge import query_merge_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = {"mla": (4, 1, 24, 16), "gqa": (6, 2, 16, 8), "mla_many_heads": (20, 1, 24, 16)}  # H, H_kv, D, Dv
+
+
+def setup(fmt: str, tree: bool, dtype: torch.dtype):
+    h, hk, d, dv = SHAPES[fmt]
+    mla = hk == 1
+    cfg = AttentionConfig(h, d, dv, 4, d**-0.5, hk, "mla" if mla else "gqa")
+    step = synthetic.make_step(
+        [0, 5, 9, 2], [3, 1, 16, 6], heads=h, head_dim=d, head_dim_v=dv, kv_heads=hk, mla=mla, tree=tree, seed=2
+    )
+    x = synthetic.rank_inputs(step, DCPLayout(), 4, mla=mla, dtype=dtype, device=DEVICE)
+    attn = TwoStageAttention(cfg, DCPLayout(), dtype=dtype, device=DEVICE, backend="reference", fuse_query=False)
+    plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)
+    v = x.k[..., :dv] if mla else x.v
+    return cfg, x, attn, plan, v
+
+
+@pytest.mark.parametrize("fmt", list(SHAPES))
+@pytest.mark.parametrize("tree", [False, True])
+def test_matches_query_pass_plus_merge(fmt, tree):
+    cfg, x, attn, plan, v = setup(fmt, tree, torch.float32)
+    o_q, lse_q = attn.backend.query(x.q, x.k, v, plan)
+    # two context states, one of them empty for token 0 and with NaN there
+    g = torch.Generator().manual_seed(0)
+    ctx_o = torch.randn(2, *o_q.shape, generator=g).to(DEVICE)
+    ctx_lse = torch.randn(2, *lse_q.shape, generator=g).to(DEVICE)
+    ctx_lse[0, 0], ctx_o[0, 0] = float("-inf"), float("nan")
+    ref_o, ref_lse = merge_states(ctx_o, ctx_lse, extra=(o_q, lse_q), out_dtype=torch.float32)
+    got_o, got_lse = query_merge_triton(x.q, x.k, v, plan, ctx_o, ctx_lse, scale=cfg.scale, out_dtype=torch.float32)
+    torch.testing.assert_close(got_o, ref_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_lse, ref_lse, rtol=1e-5, atol=1e-5)
+    # no context states at all: the bare query pass
+    got_o, got_lse = query_merge_triton(
+        x.q, x.k, v, plan, ctx_o[:0], ctx_lse[:0], scale=cfg.scale, out_dtype=torch.float32
+    )
+    torch.testing.assert_close(got_o, o_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_lse, lse_q, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_output_and_bad_shapes():
+    cfg, x, attn, plan, v = setup("mla", False, torch.bfloat16)
+    o_q, lse_q = attn.backend.query(x.q, x.k, v, plan)
+    got_o, _ = query_merge_triton(x.q, x.k, v, plan, o_q[None], lse_q[None], scale=cfg.scale, out_dtype=torch.bfloat16)
+    assert got_o.dtype == torch.bfloat16
+    ref, _ = merge_states(o_q[None], lse_q[None], extra=(o_q, lse_q))
+    torch.testing.assert_close(got_o.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match=r"ctx_o: \(K, T, H, Dv\)"):
+        query_merge_triton(x.q, x.k, v, plan, o_q[None, :3], lse_q[None, :3], scale=cfg.scale, out_dtype=torch.float32)
+
+
+def test_fuse_query_needs_cuda():
+    if DEVICE == "cuda":
+        pytest.skip("CUDA present")
+    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    with pytest.raises(ValueError, match=r"fuse_query in \(None, False\) on cpu: the fused kernel needs CUDA"):
+        TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32, fuse_query=True)
+
+
+def _layer_fused(rank: int, world: int, combine: str, tree: bool) -> float:
+    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    layout = DCPLayout(world, rank, 2)
+    step = synthetic.make_step([0, 3, 37], [2, 5, 3], heads=2 * world, head_dim=24, head_dim_v=16, tree=tree, seed=5)
+    x = synthetic.rank_inputs(step, layout, 4, mla=True, dtype=torch.float32, device="cpu", fill=float("nan"))
+    attn = TwoStageAttention(cfg, layout, group=dist.group.WORLD, combine=combine, dtype=torch.float32)
+    attn.query_merge = query_merge_triton  # what the registry picks on CUDA
+    plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)
+    out = attn(x.q, x.k, None, x.k_cache, None, plan)
+    ref, _ = synthetic.oracle(step, cfg.scale, slice(2 * rank, 2 * rank + 2))
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="checks the CPU interpreter path; GPU tests cover CUDA")
+def test_layer_with_fused_query():
+    for combine, tree in (("a2a", True), ("ag_rs", False)):
+        assert max(run_ranks(2, _layer_fused, combine, tree)) < 1e-5

@@ -1,0 +1,146 @@
+"""Triton kernel: the query pass fused into the final merge.
+
+The query pass is tiny (each token sees at most q_len <= 16 fresh keys of its
+own request), so a stock kernel spends more time launching and tiling than
+computing. Here one program takes one token and a block of heads sharing a KV
+head, walks the request's visible fresh keys with an online softmax, and
+merges the result with the K context states (the N states an all-to-all
+delivered, or the one from ag_rs / N = 1) before writing the output once.
+
+Same conventions as :mod:`twostage_mla.state`; visible keys are the causal
+prefix of the request, or ``plan.query_mask`` (tree speculation). Runs on
+CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (how CI checks it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from twostage_mla.plan import StepPlan
+
+
+@triton.jit
+def _query_merge_kernel(
+    Q, K, V, REQ, OFF, QSL, MASK, CO, CLSE, OUT, OUT_LSE,
+    scale, G, DV, D, NC, NBLK,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sm_b, sm_q,
+    sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, so_t, so_h, sol_t, sol_h,
+    HAS_MASK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    kvh = tl.program_id(1) // NBLK
+    g = (tl.program_id(1) % NBLK) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = g < G
+    h = kvh * G + g  # (BLOCK_H,) query heads reading KV head kvh
+    da = tl.arange(0, BLOCK_A)  # dims 0 .. Dv-1 (K and V)
+    db = DV + tl.arange(0, BLOCK_B)  # dims Dv .. D-1 (K only: MLA's rope part)
+    amask = da < DV
+    bmask = db < D
+
+    b = tl.load(REQ + t)
+    j = tl.load(OFF + t)
+    start = tl.load(QSL + b)
+    qa = tl.load(Q + t * sq_t + h[:, None] * sq_h + da[None, :], mask=hmask[:, None] & amask[None, :], other=0.0)
+    qb = tl.load(Q + t * sq_t + h[:, None] * sq_h + db[None, :], mask=hmask[:, None] & bmask[None, :], other=0.0)
+    qa = qa.to(tl.float32)
+    qb = qb.to(tl.float32)
+
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    den = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_A), tl.float32)
+    if HAS_MASK:
+        n_keys = tl.load(QSL + b + 1) - start  # the whole request; the mask picks
+    else:
+        n_keys = j + 1  # causal: keys 0 .. j of the request
+    for i in range(0, n_keys):
+        row = start + i
+        ka = tl.load(K + row * sk_t + kvh * sk_h + da, mask=amask, other=0.0).to(tl.float32)
+        kb = tl.load(K + row * sk_t + kvh * sk_h + db, mask=bmask, other=0.0).to(tl.float32)
+        s = (tl.sum(qa * ka[None, :], axis=1) + tl.sum(qb * kb[None, :], axis=1)) * scale
+        if HAS_MASK:
+            s = tl.where(tl.load(MASK + b * sm_b + j * sm_q + i) != 0, s, float("-inf"))
+        m_new = tl.maximum(m, s)
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - safe)
+        p = tl.exp(s - safe)
+        v = tl.load(V + row * sv_t + kvh * sv_h + da, mask=amask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + p[:, None] * v[None, :]
+        den = den * alpha + p
+        m = m_new
+    # Every token sees itself, so den > 0: the query state is (acc / den, m + log den).
+    lse_q = m + tl.log(den)
+
+    top = lse_q
+    for c in range(0, NC):
+        top = tl.maximum(top, tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")))
+    w_q = tl.exp(lse_q - top)
+    out = acc * (w_q / den)[:, None]
+    total = w_q
+    for c in range(0, NC):
+        w = tl.exp(tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")) - top)
+        o = tl.load(
+            CO + c * sco_k + t * sco_t + h[:, None] * sco_h + da[None, :],
+            mask=hmask[:, None] & amask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        out += tl.where(w[:, None] > 0, o * w[:, None], 0.0)  # an empty state's o may be NaN
+        total += w
+    out = out / total[:, None]
+    omask = hmask[:, None] & amask[None, :]
+    tl.store(OUT + t * so_t + h[:, None] * so_h + da[None, :], out.to(OUT.dtype.element_ty), mask=omask)
+    tl.store(OUT_LSE + t * sol_t + h * sol_h, top + tl.log(total), mask=hmask)
+
+
+def query_merge_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: StepPlan,
+    ctx_o: torch.Tensor,
+    ctx_lse: torch.Tensor,
+    *,
+    scale: float,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal (or tree-masked) attention over the fresh K/V, merged with context states.
+
+    q: (T, H, D); k: (T, H_kv, D); v: (T, H_kv, Dv) (may be a view of k).
+        Query head h reads KV head h // (H / H_kv).
+    plan: the step's plan (token -> request, offsets, query_start_loc, query_mask).
+    ctx_o: (K, T, H, Dv) any float dtype; ctx_lse: (K, T, H) float32 — the
+        context states to merge (K >= 0).
+    returns o (T, H, Dv) out_dtype, lse (T, H) float32.
+    No host synchronisation; capturable in a CUDA graph.
+    """
+    t, h, d = q.shape
+    hk, dv = k.shape[1], v.shape[-1]
+    q, k, v, ctx_o = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, ctx_o))
+    if ctx_o.shape[1:] != (t, h, dv) or ctx_lse.shape != ctx_o.shape[:3]:
+        raise ValueError(
+            f"expected ctx_o: (K, T, H, Dv) = (K, {t}, {h}, {dv}) and ctx_lse: (K, T, H), "
+            f"got {tuple(ctx_o.shape)} and {tuple(ctx_lse.shape)}"
+        )
+    g = h // hk
+    block_h = min(triton.next_power_of_2(g), 16)
+    nblk = triton.cdiv(g, block_h)
+    out = torch.empty((t, h, dv), dtype=out_dtype, device=q.device)
+    out_lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
+    mask = plan.query_mask
+    has_mask = mask is not None
+    if not has_mask:
+        mask = plan.query_start_loc  # never read
+    sm = mask.stride() if has_mask else (0, 0, 0)
+    ctx_lse = ctx_lse.float()
+    if t:
+        _query_merge_kernel[(t, hk * nblk)](
+            q, k, v, plan.token_request, plan.token_offset, plan.query_start_loc, mask, ctx_o, ctx_lse, out, out_lse,
+            scale, g, dv, d, ctx_o.shape[0], nblk,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), sm[0], sm[1],
+            ctx_o.stride(0), ctx_o.stride(1), ctx_o.stride(2), ctx_lse.stride(0), ctx_lse.stride(1), ctx_lse.stride(2),
+            out.stride(0), out.stride(1), out_lse.stride(0), out_lse.stride(1),
+            HAS_MASK=has_mask, BLOCK_H=block_h, BLOCK_A=triton.next_power_of_2(dv),
+            BLOCK_B=triton.next_power_of_2(max(d - dv, 1)),
+        )  # fmt: skip
+    return out, out_lse
