@@ -16,10 +16,13 @@ export PYTHONPATH=/tmp/site:$PWD
 python3 -c "import torch, triton, flashinfer, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0))"
 
 stamp "jit warm"
+pids=()
 for w in "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"; do
   timeout 300 python3 benchmarks/jit_warm.py $w >> "$OUT/jit.log" 2>&1 &
+  pids+=($!)
 done
-wait
+# Wait for these pids only: a bare `wait` also waits for the tee above, which never ends (hung a whole call).
+for p in "${pids[@]}"; do wait "$p"; done
 grep -h "ready\|Error" "$OUT/jit.log" | tail -n 6
 
 stamp "one-GPU tests (backends x fused/unfused query, NaN caches, graphs; Triton kernels on CUDA)"
@@ -41,9 +44,9 @@ timeout 120 python3 -m twostage_mla demo --world-size 2 --interleave 16 2>&1 | g
 stamp "torchrun example on 2 GPUs"
 timeout 120 torchrun --nproc-per-node 2 examples/torchrun_dcp_step.py --cuda 2>&1 | grep "rank\|Error" | tail -4
 
-stamp "bench: B=32, fused vs unfused query pass"
+stamp "bench: B=32, FlashInfer query pass vs the fused Triton one"
 timeout 240 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K,128K --q-len 4,8 --heads 16,128 \
-  --backends flashinfer --unfused --out "$OUT/bench_fused.json" 2>&1 | tail -45
+  --backends flashinfer --fused --out "$OUT/bench_fused.json" 2>&1 | tail -45
 
 stamp "DeepSeek-V3 (transformers) on 2 GPUs, real attention dims"
 timeout 150 python3 examples/deepseek_v3_dcp.py --device cuda --world-size 2 --interleave 4 --real-dims \

@@ -24,7 +24,7 @@ mla = fmt == "mla"
 step = synthetic.make_step([100, 0], [2, 3], heads=cfg.num_heads, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
                            kv_heads=cfg.num_kv_heads, mla=mla, dtype=dtype)
 x = synthetic.rank_inputs(step, DCPLayout(), 64, mla=mla, dtype=dtype, device="cuda:0")
-for fuse in (None, False):  # the fused query pass, and FlashInfer's own (causal) query pass
+for fuse in (False, True):  # FlashInfer's own (causal) query pass, and the fused Triton one
     attn = TwoStageAttention(cfg, DCPLayout(), backend="flashinfer", dtype=dtype, device="cuda:0", fuse_query=fuse)
     attn(x.q, x.k, x.v, x.k_cache, x.v_cache, attn.plan(x.query_start_loc, x.seq_lens, x.block_table))
 torch.cuda.synchronize()

@@ -68,7 +68,7 @@ def test_fuse_query_needs_cuda():
     if DEVICE == "cuda":
         pytest.skip("CUDA present")
     cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
-    with pytest.raises(ValueError, match=r"fuse_query in \(None, False\) on cpu: the fused kernel needs CUDA"):
+    with pytest.raises(ValueError, match=r"fuse_query=False on cpu: the fused kernel needs CUDA"):
         TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32, fuse_query=True)
 
 
@@ -78,7 +78,7 @@ def _layer_fused(rank: int, world: int, combine: str, tree: bool) -> float:
     step = synthetic.make_step([0, 3, 37], [2, 5, 3], heads=2 * world, head_dim=24, head_dim_v=16, tree=tree, seed=5)
     x = synthetic.rank_inputs(step, layout, 4, mla=True, dtype=torch.float32, device="cpu", fill=float("nan"))
     attn = TwoStageAttention(cfg, layout, group=dist.group.WORLD, combine=combine, dtype=torch.float32)
-    attn.query_merge = query_merge_triton  # what the registry picks on CUDA
+    attn.query_merge = query_merge_triton  # what fuse_query=True picks on CUDA
     plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)
     out = attn(x.q, x.k, None, x.k_cache, None, plan)
     ref, _ = synthetic.oracle(step, cfg.scale, slice(2 * rank, 2 * rank + 2))

@@ -103,10 +103,11 @@ class TwoStageAttention:
         keeps its metadata there, so a graph captured once replays correctly
         after later plans of the same B and T. Without them a captured graph
         is valid for the plan it was captured with.
-    fuse_query: run the query pass inside the final merge (one Triton kernel,
-        :mod:`twostage_mla.kernels.query_merge`) instead of the backend's own
-        query pass plus a merge. None: wherever that kernel runs (CUDA with
-        Triton); True: require it; False: never.
+    fuse_query: True runs the query pass inside the final merge (one Triton
+        kernel, :mod:`twostage_mla.kernels.query_merge`) instead of the
+        backend's own query pass plus a merge; needs CUDA and Triton. Opt-in:
+        it is exact under Triton's CPU interpreter (CI) but has not yet run on
+        a GPU (docs/performance.md).
 
     One instance serves every layer with this config; ``plan`` once per step,
     then call it per layer. Example (one rank, CPU)::
@@ -130,7 +131,7 @@ class TwoStageAttention:
         max_batch_size: int | None = None,
         max_tokens: int | None = None,
         max_pages: int | None = None,
-        fuse_query: bool | None = None,
+        fuse_query: bool = False,
     ) -> None:
         if not isinstance(config, AttentionConfig):
             raise ValueError(f"expected config to be an AttentionConfig, got {type(config).__name__}")
@@ -170,11 +171,11 @@ class TwoStageAttention:
         limits = CaptureLimits(max_batch_size, max_tokens, max_pages)
         self.backend = select_backend(self.spec, backend)(self.spec, limits)
         self.merge = select_merge(self.spec)
-        self.query_merge = None if fuse_query is False else select_query_merge(self.spec)
+        self.query_merge = select_query_merge(self.spec) if fuse_query else None
         self.backend.query_pass = self.query_merge is None
         if fuse_query and self.query_merge is None:
             raise ValueError(
-                f"expected fuse_query in (None, False) on {self.device}: the fused kernel needs CUDA and Triton"
+                f"expected fuse_query=False on {self.device}: the fused kernel needs CUDA and Triton"
             )
 
     def plan(
