@@ -96,35 +96,12 @@ def _events_us(run: Callable[[], Any], reps: int) -> list[float]:
     return times
 
 
-def time_us(fn: Callable[[], Any], *, graph: bool = True, slow_ms: float = 30.0) -> tuple[float, bool]:
-    """Median device time of one fn() call in microseconds, and whether it ran in a CUDA graph.
-
-    fn must be graph-capturable when graph is True. Several calls go in one
-    graph so that each replay runs >= ~200 us and launch gaps stay out.
-    """
+def time_us(fn: Callable[[], Any], reps: int = 30) -> float:
+    """Median device time of one eager fn() call in microseconds (after two warm-up calls)."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
-    est = statistics.median(_events_us(fn, 3))
-    if est > slow_ms * 1e3 or not graph:
-        reps = 3 if est > slow_ms * 1e3 else max(5, min(50, int(2e5 / max(est, 1.0))))
-        return statistics.median(_events_us(fn, reps)), False
-    inner = max(1, min(32, math.ceil(200.0 / max(est, 1.0))))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
-    for _ in range(3):
-        g.replay()
-    reps = max(10, min(100, int(3e5 / (est * inner))))
-    t = statistics.median(_events_us(g.replay, reps)) / inner
-    del g
-    return t, True
+    return statistics.median(_events_us(fn, reps))
 
 
 def time_many(fns: dict[str, Callable[[], Any]], *, graph: bool = True, slow_ms: float = 30.0,
@@ -176,7 +153,7 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    t, _ = time_us(lambda: dst.copy_(src), graph=False)
+    t = time_us(lambda: dst.copy_(src))
     return 2 * nbytes / (t * 1e-6) / 1e9
 
 
