@@ -120,8 +120,14 @@ REAL_DIMS = dict(
     initializer_range=0.02,
     max_position_embeddings=40 * 4096,
     rope_parameters=dict(
-        rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
-        mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1,
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+        beta_fast=32,
+        beta_slow=1,
     ),
 )
 
@@ -547,8 +553,10 @@ def main() -> None:
     res = results[0]
     mode = f"tree {TREE}" if a.tree else f"chain of Q={a.q_len}"
     dims = "DeepSeek-V3 attention dims" if a.real_dims else "tiny"
-    print(f"DeepSeek-V3 ({dims}, random weights), DCP N={a.world_size} I={a.interleave}, {mode}, {a.combine}, "
-          f"{a.dtype} on {a.device}")
+    print(
+        f"DeepSeek-V3 ({dims}, random weights), DCP N={a.world_size} I={a.interleave}, {mode}, {a.combine}, "
+        f"{a.dtype} on {a.device}"
+    )
     print(f"  {res.steps} steps, {res.accepted} drafts accepted")
     for kind, e in logits_error(model, res.records).items():
         print(f"  logits vs transformers, {kind:8s} steps: max rel err {e:.2e}")
@@ -563,8 +571,10 @@ def main() -> None:
     same = all(rr.tokens == refs for rr in results)
     print(f"  greedy tokens equal transformers' generate on every rank: {same}")
     if not same:
-        agree = [next((i for i, (x, y) in enumerate(zip(t, ref)) if x != y), len(t)) - len(p)
-                 for t, ref, p in zip(res.tokens, refs, prompts)]
+        agree = [
+            next((i for i, (x, y) in enumerate(zip(t, ref)) if x != y), len(t)) - len(p)
+            for t, ref, p in zip(res.tokens, refs, prompts)
+        ]
         print(f"  generated tokens equal to transformers' before the first difference, per request: {agree}")
         if a.dtype == "float32":
             sys.exit(1)  # in float32 they must agree; in 16-bit a near-tie may flip a token

@@ -102,7 +102,9 @@ class PagedLatentCache:
         total = max(sum(pages), 1)
         g = torch.Generator().manual_seed(seed + 1000 * r)
         order = torch.randperm(total, generator=g)
-        table = torch.zeros(len(pages), max(max(pages), 1), dtype=torch.int32)
+        # The same width on every rank: what rank 0 (the rank holding the most) needs.
+        width = max(max(-(-local_len(s, n, i, 0) // page_size) for s in max_seq_lens), 1)
+        table = torch.zeros(len(pages), width, dtype=torch.int32)
         used = 0
         for b, p in enumerate(pages):
             table[b, :p] = order[used : used + p].to(torch.int32)

@@ -50,7 +50,8 @@ q_all_heads = torch.randn(13, HEADS, D).to(dtype)  # absorbed queries of all hea
 
 # --- this rank's paged cache: pages for local_len(seq_len) slots per request --------------
 pages = [-(-local_len(int(s), world, args.interleave, rank) // PAGE) for s in seq_lens]
-block_table = torch.zeros(len(pages), max(pages), dtype=torch.int32)
+width = max(-(-local_len(int(s), world, args.interleave, 0) // PAGE) for s in seq_lens)  # same on every rank
+block_table = torch.zeros(len(pages), width, dtype=torch.int32)
 next_page = 0
 for b, n in enumerate(pages):  # a real engine's allocator hands these out
     block_table[b, :n] = torch.arange(next_page, next_page + n)

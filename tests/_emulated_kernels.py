@@ -19,8 +19,15 @@ import torch
 LOG2E = 1.0 / math.log(2.0)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-           qv: torch.Tensor | None = None, kv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    qv: torch.Tensor | None = None,
+    kv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q (M, H, D), k (N, Hk, D), v (N, Hk, Dv), mask (M, N) -> o (M, H, Dv), lse (M, H) float64, natural log.
 
     qv/kv: an extra score term qv . kv (FA3's qv form, FlashInfer's q_nope . ckv).
@@ -62,8 +69,23 @@ def _check_i32(**ts: torch.Tensor) -> None:
 # -- torch's aten ops ------------------------------------------------------------
 
 
-def efficient_attention_forward(q, k, v, bias, cu_q, cu_k, max_q, max_k, dropout_p, mask_type, compute_lse, *,
-                                scale=None, seqlen_k=None, window_size=None):
+def efficient_attention_forward(
+    q,
+    k,
+    v,
+    bias,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    dropout_p,
+    mask_type,
+    compute_lse,
+    *,
+    scale=None,
+    seqlen_k=None,
+    window_size=None,
+):
     """aten._efficient_attention_forward: (1, M, H, D) varlen; lse (B, H, ceil(max_q/32)*32)."""
     assert q.dim() == 4 and q.shape[0] == 1 and bias is None and dropout_p == 0.0
     assert k.shape[2] == q.shape[2] == v.shape[2], "the kernel wants as many K/V heads as query heads"
@@ -78,16 +100,33 @@ def efficient_attention_forward(q, k, v, bias, cu_q, cu_k, max_q, max_k, dropout
         assert m <= max_q and n <= max_k
         top_left = torch.arange(n)[None] <= torch.arange(m)[:, None]
         mask = torch.ones(m, n, dtype=torch.bool) if mask_type == 0 else top_left
-        ob, lb = attend(q[0, cq[r]:cq[r + 1]], k[0, ck[r]:ck[r + 1]], v[0, ck[r]:ck[r + 1]], mask, scale)
+        ob, lb = attend(q[0, cq[r] : cq[r + 1]], k[0, ck[r] : ck[r + 1]], v[0, ck[r] : ck[r + 1]], mask, scale)
         empty = torch.isneginf(lb)
-        o[0, cq[r]:cq[r + 1]] = ob.masked_fill(empty[..., None], float("nan"))  # rows with no keys: garbage
+        o[0, cq[r] : cq[r + 1]] = ob.masked_fill(empty[..., None], float("nan"))  # rows with no keys: garbage
         lse[r, :, :m] = lb.T.masked_fill(empty.T, 0.0).float()  # mem-efficient writes lse = 0 there
     return o.to(q.dtype), lse, torch.tensor(0), torch.tensor(0), max_q, max_k
 
 
-def flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
-                            scale=None, window_size_left=None, window_size_right=None, seqused_k=None,
-                            alibi_slopes=None, block_table=None, num_splits=None):
+def flash_attention_forward(
+    q,
+    k,
+    v,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    return_debug_mask,
+    *,
+    scale=None,
+    window_size_left=None,
+    window_size_right=None,
+    seqused_k=None,
+    alibi_slopes=None,
+    block_table=None,
+    num_splits=None,
+):
     """aten._flash_attention_forward varlen: lse (H, T), +inf for rows with no keys, o = 0 there."""
     assert q.dim() == 3 and dropout_p == 0.0
     assert q.shape[-1] == v.shape[-1] <= 256
@@ -105,11 +144,11 @@ def flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_cau
             vb = _paged(v, block_table[r, :npg].tolist(), n)
         else:
             n = ck[r + 1] - ck[r]
-            kb, vb = k[ck[r]:ck[r + 1]], v[ck[r]:ck[r + 1]]
+            kb, vb = k[ck[r] : ck[r + 1]], v[ck[r] : ck[r + 1]]
         assert m <= max_q and n <= max_k
-        ob, lb = attend(q[cq[r]:cq[r + 1]], kb, vb, _bottom_right(m, n, is_causal), scale)
-        o[cq[r]:cq[r + 1]] = ob
-        lse[:, cq[r]:cq[r + 1]] = torch.where(torch.isneginf(lb), float("inf"), lb).T.float()
+        ob, lb = attend(q[cq[r] : cq[r + 1]], kb, vb, _bottom_right(m, n, is_causal), scale)
+        o[cq[r] : cq[r + 1]] = ob
+        lse[:, cq[r] : cq[r + 1]] = torch.where(torch.isneginf(lb), float("inf"), lb).T.float()
     return o.to(q.dtype), lse, torch.empty(2), torch.empty(0), torch.empty(0)
 
 
@@ -119,14 +158,36 @@ def flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_cau
 class _MLAWrapper:
     """flashinfer.mla.BatchMLAPagedAttentionWrapper: plan stores metadata, run reads it."""
 
-    def __init__(self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None, kv_indptr=None,
-                 kv_indices=None, kv_len_arr=None, backend="auto"):
+    def __init__(
+        self,
+        float_workspace_buffer,
+        use_cuda_graph=False,
+        qo_indptr=None,
+        kv_indptr=None,
+        kv_indices=None,
+        kv_len_arr=None,
+        backend="auto",
+    ):
         self._graph = use_cuda_graph
         self._bufs = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
         self._planned = False
 
-    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe,
-             page_size, causal, sm_scale, q_data_type, kv_data_type, use_profiler=False):
+    def plan(
+        self,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        kv_len_arr,
+        num_heads,
+        head_dim_ckv,
+        head_dim_kpe,
+        page_size,
+        causal,
+        sm_scale,
+        q_data_type,
+        kv_data_type,
+        use_profiler=False,
+    ):
         _check_i32(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len_arr=kv_len_arr)
         if self._graph:
             qo, kp, ki, kl = self._bufs
@@ -139,8 +200,20 @@ class _MLAWrapper:
         self._meta = (num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type)
         self._planned = True
 
-    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, profiler_buffer=None,
-            kv_len=None, page_table=None, return_lse_base_on_e=False):
+    def run(
+        self,
+        q_nope,
+        q_pe,
+        ckv_cache,
+        kpe_cache,
+        out=None,
+        lse=None,
+        return_lse=False,
+        profiler_buffer=None,
+        kv_len=None,
+        page_table=None,
+        return_lse_base_on_e=False,
+    ):
         assert self._planned, "run before plan"
         h, dckv, dkpe, ps, causal, scale, qdt = self._meta
         assert q_nope.shape[1:] == (h, dckv) and q_pe.shape[1:] == (h, dkpe) and q_nope.dtype == qdt
@@ -149,32 +222,60 @@ class _MLAWrapper:
         qo, kp, ki, kl = (b.tolist() for b in self._bufs)
         for r in range(len(qo) - 1):
             m, n = qo[r + 1] - qo[r], kl[r]
-            pages = ki[kp[r]:kp[r + 1]]
+            pages = ki[kp[r] : kp[r + 1]]
             kb = _paged(kpe_cache, pages, n)[:, None]
             cb = _paged(ckv_cache, pages, n)[:, None]
-            ob, lb = attend(q_pe[qo[r]:qo[r + 1]], kb, cb, _bottom_right(m, n, causal), scale,
-                            qv=q_nope[qo[r]:qo[r + 1]], kv=cb)
-            out[qo[r]:qo[r + 1]] = ob.to(out.dtype)
+            ob, lb = attend(
+                q_pe[qo[r] : qo[r + 1]], kb, cb, _bottom_right(m, n, causal), scale, qv=q_nope[qo[r] : qo[r + 1]], kv=cb
+            )
+            out[qo[r] : qo[r + 1]] = ob.to(out.dtype)
             # No keys: the fa3 kernel leaves m at its finite "-inf" (-5e4, log2), seen on an H200.
             lb = torch.where(torch.isneginf(lb), -5e4 / LOG2E, lb)
-            lse[qo[r]:qo[r + 1]] = (lb if return_lse_base_on_e else lb * LOG2E).float()
+            lse[qo[r] : qo[r + 1]] = (lb if return_lse_base_on_e else lb * LOG2E).float()
         return (out, lse) if return_lse else out
 
 
 class _PagedPrefillWrapper:
     """flashinfer.prefill.BatchPrefillWithPagedKVCacheWrapper (NHD): lse in log2."""
 
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
-                 paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None, **kw):
+    def __init__(
+        self,
+        float_workspace_buffer,
+        kv_layout="NHD",
+        use_cuda_graph=False,
+        qo_indptr_buf=None,
+        paged_kv_indptr_buf=None,
+        paged_kv_indices_buf=None,
+        paged_kv_last_page_len_buf=None,
+        **kw,
+    ):
         assert kv_layout == "NHD"
         self._graph = use_cuda_graph
         self._bufs = (qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf)
 
-    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-             num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, causal=False, sm_scale=None,
-             q_data_type="float16", kv_data_type=None, **kw):
-        _check_i32(qo_indptr=qo_indptr, paged_kv_indptr=paged_kv_indptr, paged_kv_indices=paged_kv_indices,
-                   paged_kv_last_page_len=paged_kv_last_page_len)
+    def plan(
+        self,
+        qo_indptr,
+        paged_kv_indptr,
+        paged_kv_indices,
+        paged_kv_last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        page_size,
+        head_dim_vo=None,
+        causal=False,
+        sm_scale=None,
+        q_data_type="float16",
+        kv_data_type=None,
+        **kw,
+    ):
+        _check_i32(
+            qo_indptr=qo_indptr,
+            paged_kv_indptr=paged_kv_indptr,
+            paged_kv_indices=paged_kv_indices,
+            paged_kv_last_page_len=paged_kv_last_page_len,
+        )
         if self._graph:
             qo, kp, ki, kl = self._bufs
             qo.copy_(qo_indptr)
@@ -196,26 +297,51 @@ class _PagedPrefillWrapper:
         for r in range(len(qo) - 1):
             m, npg = qo[r + 1] - qo[r], kp[r + 1] - kp[r]
             n = max(npg - 1, 0) * ps + kl[r]
-            pages = ki[kp[r]:kp[r + 1]]
-            ob, lb = attend(q[qo[r]:qo[r + 1]], _paged(k_cache, pages, n), _paged(v_cache, pages, n),
-                            _bottom_right(m, n, causal), scale)
+            pages = ki[kp[r] : kp[r + 1]]
+            ob, lb = attend(
+                q[qo[r] : qo[r + 1]],
+                _paged(k_cache, pages, n),
+                _paged(v_cache, pages, n),
+                _bottom_right(m, n, causal),
+                scale,
+            )
             empty = torch.isneginf(lb)
-            out[qo[r]:qo[r + 1]] = ob.masked_fill(empty[..., None], float("nan")).to(out.dtype)  # worst case
-            lse[qo[r]:qo[r + 1]] = (lb * LOG2E).masked_fill(empty, float("inf")).float()
+            out[qo[r] : qo[r + 1]] = ob.masked_fill(empty[..., None], float("nan")).to(out.dtype)  # worst case
+            lse[qo[r] : qo[r + 1]] = (lb * LOG2E).masked_fill(empty, float("inf")).float()
         return (out, lse) if return_lse else out
 
 
 class _RaggedPrefillWrapper:
     """flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper (NHD): lse in log2."""
 
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
-                 kv_indptr_buf=None, **kw):
+    def __init__(
+        self,
+        float_workspace_buffer,
+        kv_layout="NHD",
+        use_cuda_graph=False,
+        qo_indptr_buf=None,
+        kv_indptr_buf=None,
+        **kw,
+    ):
         self._graph = use_cuda_graph
         self._bufs = (qo_indptr_buf, kv_indptr_buf)
 
-    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None,
-             custom_mask=None, packed_custom_mask=None, causal=False, sm_scale=None, q_data_type="float16",
-             kv_data_type=None, **kw):
+    def plan(
+        self,
+        qo_indptr,
+        kv_indptr,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        head_dim_vo=None,
+        custom_mask=None,
+        packed_custom_mask=None,
+        causal=False,
+        sm_scale=None,
+        q_data_type="float16",
+        kv_data_type=None,
+        **kw,
+    ):
         _check_i32(qo_indptr=qo_indptr, kv_indptr=kv_indptr)
         if self._graph:
             self._bufs[0].copy_(qo_indptr)
@@ -230,10 +356,11 @@ class _RaggedPrefillWrapper:
         qo, kp = (b.tolist() for b in self._bufs)
         for r in range(len(qo) - 1):
             m, n = qo[r + 1] - qo[r], kp[r + 1] - kp[r]
-            ob, lb = attend(q[qo[r]:qo[r + 1]], k[kp[r]:kp[r + 1]], v[kp[r]:kp[r + 1]], _bottom_right(m, n, causal),
-                            scale)
-            out[qo[r]:qo[r + 1]] = ob.to(out.dtype)
-            lse[qo[r]:qo[r + 1]] = (lb * LOG2E).float()
+            ob, lb = attend(
+                q[qo[r] : qo[r + 1]], k[kp[r] : kp[r + 1]], v[kp[r] : kp[r + 1]], _bottom_right(m, n, causal), scale
+            )
+            out[qo[r] : qo[r + 1]] = ob.to(out.dtype)
+            lse[qo[r] : qo[r + 1]] = (lb * LOG2E).float()
         return (out, lse) if return_lse else out
 
 
@@ -264,13 +391,14 @@ def _fa_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, qv=None, block_
             npg = -(-n // k.shape[1])
             kb, vb = _paged(k, block_table[r, :npg].tolist(), n), _paged(v, block_table[r, :npg].tolist(), n)
         else:
-            kb, vb = k[ck[r]:ck[r + 1]], v[ck[r]:ck[r + 1]]
+            kb, vb = k[ck[r] : ck[r + 1]], v[ck[r] : ck[r + 1]]
         assert m <= max_q and n <= max_k
-        qvr = None if qv is None else qv[cq[r]:cq[r + 1]]
-        ob, lb = attend(q[cq[r]:cq[r + 1]], kb, vb, _bottom_right(m, n, causal), scale, qv=qvr,
-                        kv=None if qv is None else vb)
-        o[cq[r]:cq[r + 1]] = ob
-        lse[:, cq[r]:cq[r + 1]] = torch.where(torch.isneginf(lb), float("inf") if inf_for_empty else lb, lb).T.float()
+        qvr = None if qv is None else qv[cq[r] : cq[r + 1]]
+        ob, lb = attend(
+            q[cq[r] : cq[r + 1]], kb, vb, _bottom_right(m, n, causal), scale, qv=qvr, kv=None if qv is None else vb
+        )
+        o[cq[r] : cq[r + 1]] = ob
+        lse[:, cq[r] : cq[r + 1]] = torch.where(torch.isneginf(lb), float("inf") if inf_for_empty else lb, lb).T.float()
     return o.to(q.dtype), lse
 
 
@@ -278,21 +406,71 @@ def fake_flash_attn_interface() -> types.ModuleType:
     """FA3's ``flash_attn_interface``: with_kvcache (paged, qv) and varlen_func (qv), lse (H, T)."""
     mod = types.ModuleType("flash_attn_interface")
 
-    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, *, cache_seqlens=None,
-                                page_table=None, cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None,
-                                causal=False, return_softmax_lse=False, **kw):
+    def flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k=None,
+        v=None,
+        qv=None,
+        *,
+        cache_seqlens=None,
+        page_table=None,
+        cu_seqlens_q=None,
+        max_seqlen_q=None,
+        softmax_scale=None,
+        causal=False,
+        return_softmax_lse=False,
+        **kw,
+    ):
         assert k is None and v is None and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
         lens = cache_seqlens.tolist()
         cu_k = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
-        o, lse = _fa_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_k, max_seqlen_q, max(lens, default=0),
-                            softmax_scale, causal, qv=qv, block_table=page_table, inf_for_empty=False)
+        o, lse = _fa_varlen(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            cu_k,
+            max_seqlen_q,
+            max(lens, default=0),
+            softmax_scale,
+            causal,
+            qv=qv,
+            block_table=page_table,
+            inf_for_empty=False,
+        )
         return (o, lse, None, None) if return_softmax_lse else o
 
-    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
-                               seqused_k=None, softmax_scale=None, causal=False, qv=None, return_attn_probs=False,
-                               **kw):
-        o, lse = _fa_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                            qv=qv, inf_for_empty=False)
+    def flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        seqused_q=None,
+        seqused_k=None,
+        softmax_scale=None,
+        causal=False,
+        qv=None,
+        return_attn_probs=False,
+        **kw,
+    ):
+        o, lse = _fa_varlen(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale,
+            causal,
+            qv=qv,
+            inf_for_empty=False,
+        )
         return (o, lse) if return_attn_probs else o
 
     mod.flash_attn_with_kvcache = flash_attn_with_kvcache
@@ -304,13 +482,36 @@ def fake_flash_attn() -> types.ModuleType:
     """FA2's ``flash_attn``: varlen_func with block_table (pages of 256k), lse (H, T), +inf when empty."""
     mod = types.ModuleType("flash_attn")
 
-    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                               softmax_scale=None, causal=False, return_attn_probs=False, block_table=None, **kw):
+    def flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        return_attn_probs=False,
+        block_table=None,
+        **kw,
+    ):
         assert q.shape[-1] == v.shape[-1] <= 256 and dropout_p == 0.0
         if block_table is not None:
             assert k.shape[1] % 256 == 0, "Paged KV cache block size must be divisible by 256"
-        o, lse = _fa_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                            block_table=block_table)
+        o, lse = _fa_varlen(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale,
+            causal,
+            block_table=block_table,
+        )
         return (o, lse, None) if return_attn_probs else o
 
     mod.flash_attn_varlen_func = flash_attn_varlen_func

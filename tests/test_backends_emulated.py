@@ -51,8 +51,9 @@ def emulated(monkeypatch):
 def _config(mla: bool, page_size: int, heads: int = 4) -> AttentionConfig:
     if mla:
         return AttentionConfig.mla(num_heads=heads, kv_lora_rank=64, rope_dim=16, page_size=page_size, scale=0.11)
-    return AttentionConfig(num_heads=heads, head_dim=32, head_dim_v=32, page_size=page_size, scale=0.17,
-                           num_kv_heads=2, kv_format="gqa")
+    return AttentionConfig(
+        num_heads=heads, head_dim=32, head_dim_v=32, page_size=page_size, scale=0.17, num_kv_heads=2, kv_format="gqa"
+    )
 
 
 def _layer(name: str, cfg: AttentionConfig, layout: DCPLayout, limits: CaptureLimits | None = None):
@@ -75,13 +76,20 @@ def _cases(name: str) -> list[tuple[bool, int, bool]]:
     return out
 
 
-@pytest.mark.parametrize(
-    "name,mla,page_size,tree", [(n, *c) for n in FAST for c in _cases(n)], ids=lambda x: str(x)
-)
+@pytest.mark.parametrize("name,mla,page_size,tree", [(n, *c) for n in FAST for c in _cases(n)], ids=lambda x: str(x))
 def test_layer_matches_oracle(emulated, name, mla, page_size, tree):
     cfg = _config(mla, page_size)
-    step = synthetic.make_step([0, 5, 37, 100, 1], [3, 1, 4, 2, 5], heads=cfg.num_heads, head_dim=cfg.head_dim,
-                               head_dim_v=cfg.head_dim_v, kv_heads=cfg.num_kv_heads, mla=mla, tree=tree, seed=3)
+    step = synthetic.make_step(
+        [0, 5, 37, 100, 1],
+        [3, 1, 4, 2, 5],
+        heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
+        head_dim_v=cfg.head_dim_v,
+        kv_heads=cfg.num_kv_heads,
+        mla=mla,
+        tree=tree,
+        seed=3,
+    )
     x = synthetic.rank_inputs(step, DCPLayout(), page_size, mla=mla, dtype=torch.float32, device="cpu")
     attn = _layer(name, cfg, DCPLayout())
     plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)
@@ -91,20 +99,39 @@ def test_layer_matches_oracle(emulated, name, mla, page_size, tree):
     assert torch.allclose(lse.double(), ref_lse, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,mla", [(n, m) for n in FAST for m in (True, False) if ("mla" if m else "gqa")
-                                      in FAST[n].kv_formats])
+@pytest.mark.parametrize(
+    "name,mla", [(n, m) for n in FAST for m in (True, False) if ("mla" if m else "gqa") in FAST[n].kv_formats]
+)
 def test_passes_match_reference_on_a_shard(emulated, name, mla):
     """Rank 1 of N = 2, interleave 2: each pass equals the reference backend's, rows with no context included."""
     page = 256 if name == "flash_attn2" else 8
     cfg = _config(mla, page)
     layout = DCPLayout(world_size=2, rank=1, interleave=2)
     ctx, ql = [0, 1, 2, 3, 9, 40], [2, 1, 3, 1, 2, 4]  # contexts 0..2 leave rank 1 with nothing
-    step = synthetic.make_step(ctx, ql, heads=2 * cfg.num_heads, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
-                               kv_heads=cfg.num_kv_heads, mla=mla, seed=5)
+    step = synthetic.make_step(
+        ctx,
+        ql,
+        heads=2 * cfg.num_heads,
+        head_dim=cfg.head_dim,
+        head_dim_v=cfg.head_dim_v,
+        kv_heads=cfg.num_kv_heads,
+        mla=mla,
+        seed=5,
+    )
     x = synthetic.rank_inputs(step, layout, page, mla=mla, dtype=torch.float32, device="cpu")
     plan = plan_step(x.query_start_loc, x.seq_lens, x.block_table, page_size=page, layout=layout)
-    spec = AttentionSpec(cfg.kv_format, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim_v, page, 2,
-                         cfg.scale, torch.float32, torch.device("cpu"))
+    spec = AttentionSpec(
+        cfg.kv_format,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.head_dim_v,
+        page,
+        2,
+        cfg.scale,
+        torch.float32,
+        torch.device("cpu"),
+    )
     fast, ref = FAST[name](spec), ReferenceBackend(spec)
     fplan = plan.__class__(**{**plan.__dict__, "backend_state": fast.plan(plan)})
     v, v_cache = (x.k[..., : cfg.head_dim_v], x.k_cache[..., : cfg.head_dim_v]) if mla else (x.v, x.v_cache)

@@ -37,13 +37,30 @@ MLA = dict(kv_lora_rank=512, rope_dim=64)
 def _config(fmt: str, heads: int, page_size: int) -> AttentionConfig:
     if fmt == "mla":
         return AttentionConfig.mla(num_heads=heads, page_size=page_size, scale=(128 + 64) ** -0.5, **MLA)
-    return AttentionConfig(num_heads=heads, head_dim=128, head_dim_v=128, page_size=page_size, scale=128**-0.5,
-                           num_kv_heads=2, kv_format="gqa")
+    return AttentionConfig(
+        num_heads=heads,
+        head_dim=128,
+        head_dim_v=128,
+        page_size=page_size,
+        scale=128**-0.5,
+        num_kv_heads=2,
+        kv_format="gqa",
+    )
 
 
 def _spec(cfg: AttentionConfig, dtype: torch.dtype) -> AttentionSpec:
-    return AttentionSpec(cfg.kv_format, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim_v, cfg.page_size,
-                         1, cfg.scale, dtype, DEV)
+    return AttentionSpec(
+        cfg.kv_format,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.head_dim_v,
+        cfg.page_size,
+        1,
+        cfg.scale,
+        dtype,
+        DEV,
+    )
 
 
 def _serving(cfg: AttentionConfig, dtype: torch.dtype) -> list[str]:
@@ -53,12 +70,22 @@ def _serving(cfg: AttentionConfig, dtype: torch.dtype) -> list[str]:
 
 def _run(name, cfg, dtype, ctx, ql, *, tree=False, seed=0, limits=None, fuse=False, fill=None):
     fmt_mla = cfg.kv_format == "mla"
-    step = synthetic.make_step(ctx, ql, heads=cfg.num_heads, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
-                               kv_heads=cfg.num_kv_heads, mla=fmt_mla, tree=tree, dtype=dtype, seed=seed)
-    x = synthetic.rank_inputs(step, DCPLayout(), cfg.page_size, mla=fmt_mla, dtype=dtype, device=DEV, seed=seed,
-                              fill=fill)
-    attn = TwoStageAttention(cfg, DCPLayout(), backend=name, dtype=dtype, device=DEV, fuse_query=fuse,
-                             **(limits or {}))
+    step = synthetic.make_step(
+        ctx,
+        ql,
+        heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
+        head_dim_v=cfg.head_dim_v,
+        kv_heads=cfg.num_kv_heads,
+        mla=fmt_mla,
+        tree=tree,
+        dtype=dtype,
+        seed=seed,
+    )
+    x = synthetic.rank_inputs(
+        step, DCPLayout(), cfg.page_size, mla=fmt_mla, dtype=dtype, device=DEV, seed=seed, fill=fill
+    )
+    attn = TwoStageAttention(cfg, DCPLayout(), backend=name, dtype=dtype, device=DEV, fuse_query=fuse, **(limits or {}))
     plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)
     return step, x, attn, plan
 
@@ -81,8 +108,15 @@ def _cases() -> list[tuple]:
         heads = 16 if fmt == "mla" else 8
         for dtype in (torch.bfloat16, torch.float16):
             for page, tree in ((1, False), (16, True), (64, False), (256, False)):
-                ctx = [0, 1, page - 1 if page > 1 else 2, page, page + 1, rng.randrange(300, 900),
-                       rng.randrange(2000, 3000)]
+                ctx = [
+                    0,
+                    1,
+                    page - 1 if page > 1 else 2,
+                    page,
+                    page + 1,
+                    rng.randrange(300, 900),
+                    rng.randrange(2000, 3000),
+                ]
                 ql = [rng.randint(1, 8) for _ in ctx]
                 ql[rng.randrange(len(ql))] = 16
                 out.append((fmt, heads, dtype, page, tree, ctx, ql))
@@ -94,8 +128,11 @@ CASES = _cases()
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["backend-query", "fused-query"])
 @pytest.mark.parametrize("name", [n for n in backend_names()])
-@pytest.mark.parametrize("fmt,heads,dtype,page,tree,ctx,ql", CASES,
-                         ids=[f"{c[0]}-{str(c[2])[6:]}-p{c[3]}{'-tree' if c[4] else ''}" for c in CASES])
+@pytest.mark.parametrize(
+    "fmt,heads,dtype,page,tree,ctx,ql",
+    CASES,
+    ids=[f"{c[0]}-{str(c[2])[6:]}-p{c[3]}{'-tree' if c[4] else ''}" for c in CASES],
+)
 def test_backend_matches_oracle(name, fmt, heads, dtype, page, tree, ctx, ql, fuse):
     cfg = _config(fmt, heads, page)
     if name not in _serving(cfg, dtype):
@@ -183,14 +220,26 @@ def test_flashinfer_graph_replays_after_a_new_plan(fmt):
         pytest.skip("flashinfer not installed")
     dt, mla = torch.bfloat16, fmt == "mla"
     ql = [4, 2, 1, 5]
-    steps = [synthetic.make_step(c, ql, heads=cfg.num_heads, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
-                                 kv_heads=cfg.num_kv_heads, mla=mla, dtype=dt, seed=s)
-             for s, c in ((0, [100, 0, 900, 3000]), (1, [2500, 64, 0, 700]))]
+    steps = [
+        synthetic.make_step(
+            c,
+            ql,
+            heads=cfg.num_heads,
+            head_dim=cfg.head_dim,
+            head_dim_v=cfg.head_dim_v,
+            kv_heads=cfg.num_kv_heads,
+            mla=mla,
+            dtype=dt,
+            seed=s,
+        )
+        for s, c in ((0, [100, 0, 900, 3000]), (1, [2500, 64, 0, 700]))
+    ]
     xs = [synthetic.rank_inputs(s, DCPLayout(), 64, mla=mla, dtype=dt, device=DEV) for s in steps]
     pages = max(x.k_cache.shape[0] for x in xs)
     width = max(x.block_table.shape[1] for x in xs)
-    attn = TwoStageAttention(cfg, DCPLayout(), backend="flashinfer", dtype=dt, device=DEV, max_batch_size=4,
-                             max_tokens=16, max_pages=pages)
+    attn = TwoStageAttention(
+        cfg, DCPLayout(), backend="flashinfer", dtype=dt, device=DEV, max_batch_size=4, max_tokens=16, max_pages=pages
+    )
 
     def static(t, shape):  # a fixed buffer the graph reads, refilled per step
         return torch.zeros(shape, dtype=t.dtype, device=DEV)
@@ -228,8 +277,13 @@ def test_auto_and_forced_refusals_on_this_gpu():
     assert best.name != "reference", "a GPU backend must serve MLA on any CUDA torch (torch_efficient)"
     with pytest.raises(ValueError, match=r"(?s)backend 'torch_flash' cannot serve .*kv_format 'mla' not in"):
         select_backend(mla, "torch_flash")
-    print("auto picks", best.name, "for MLA;", select_backend(_spec(_config("gqa", 8, 64), torch.bfloat16)).name,
-          "for GQA")
+    print(
+        "auto picks",
+        best.name,
+        "for MLA;",
+        select_backend(_spec(_config("gqa", 8, 64), torch.bfloat16)).name,
+        "for GQA",
+    )
 
 
 # -- two GPUs, NCCL -------------------------------------------------------------------
@@ -254,25 +308,40 @@ def _nccl_worker(rank: int, world: int, init: str, out_dir: str) -> None:
     path = os.path.join(out_dir, f"{rank}.pt")
     try:
         # MLA through auto (flashinfer where installed), GQA through torch's FA2: two backends under NCCL.
-        for fmt, il, combine, name in (("mla", 1, "a2a", "auto"), ("mla", 64, "ag_rs", "auto"),
-                                       ("gqa", 1, "ag_rs", "torch_flash"), ("gqa", 16, "a2a", "torch_flash")):
+        for fmt, il, combine, name in (
+            ("mla", 1, "a2a", "auto"),
+            ("mla", 64, "ag_rs", "auto"),
+            ("gqa", 1, "ag_rs", "torch_flash"),
+            ("gqa", 16, "a2a", "torch_flash"),
+        ):
             heads = 16 if fmt == "mla" else 8
             cfg = _config(fmt, heads, 64)
             mla, dt = fmt == "mla", torch.bfloat16
             ctx, ql = [0, 1, 70, 1000, 2900], [3, 1, 8, 4, 2]
-            step = synthetic.make_step(ctx, ql, heads=heads * world, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
-                                       kv_heads=cfg.num_kv_heads, mla=mla, dtype=dt, seed=il)
+            step = synthetic.make_step(
+                ctx,
+                ql,
+                heads=heads * world,
+                head_dim=cfg.head_dim,
+                head_dim_v=cfg.head_dim_v,
+                kv_heads=cfg.num_kv_heads,
+                mla=mla,
+                dtype=dt,
+                seed=il,
+            )
             layout = DCPLayout(world, rank, il)
             x = synthetic.rank_inputs(step, layout, 64, mla=mla, dtype=dt, device=dev, seed=il)
-            attn = TwoStageAttention(cfg, layout, group=dist.group.WORLD, combine=combine, backend=name, dtype=dt,
-                                     device=dev)
+            attn = TwoStageAttention(
+                cfg, layout, group=dist.group.WORLD, combine=combine, backend=name, dtype=dt, device=dev
+            )
             plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
             out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
             ref_o, ref_lse = synthetic.oracle(step, cfg.scale, slice(rank * heads, (rank + 1) * heads))
             rel = ((out.double().cpu() - ref_o).abs().max() / ref_o.abs().max()).item()
             lse_err = (lse.double().cpu() - ref_lse).abs().max().item()
-            results.append(dict(fmt=fmt, il=il, combine=combine, backend=attn.backend.name, rel=rel, lse_err=lse_err,
-                                graph=None))
+            results.append(
+                dict(fmt=fmt, il=il, combine=combine, backend=attn.backend.name, rel=rel, lse_err=lse_err, graph=None)
+            )
             layers.append((attn, x, plan, out))
             torch.save(results, path)
             print(f"rank {rank} eager {results[-1]}", flush=True)
@@ -305,8 +374,9 @@ def test_two_gpus_nccl_layer_matches_oracle():
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
-        ctx = mp.start_processes(_nccl_worker, args=(2, f"tcp://127.0.0.1:{_free_port()}", d), nprocs=2,
-                                 start_method="spawn", join=False)
+        ctx = mp.start_processes(
+            _nccl_worker, args=(2, f"tcp://127.0.0.1:{_free_port()}", d), nprocs=2, start_method="spawn", join=False
+        )
         deadline = time.time() + 180
         finished = False
         while time.time() < deadline and not finished:
@@ -318,8 +388,10 @@ def test_two_gpus_nccl_layer_matches_oracle():
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
-        results = [torch.load(os.path.join(d, f"{r}.pt")) if os.path.exists(os.path.join(d, f"{r}.pt")) else []
-                   for r in range(2)]
+        results = [
+            torch.load(os.path.join(d, f"{r}.pt")) if os.path.exists(os.path.join(d, f"{r}.pt")) else []
+            for r in range(2)
+        ]
     for rank, res in enumerate(results):
         for r in res:
             print(f"rank {rank}: {r}")

@@ -20,8 +20,15 @@ def _records() -> list[dict]:
                 dict(base, method="floor", backend=None, time_us=kv / 4e15 * 1e6),
                 dict(base, method="onepass", backend="flashinfer", time_us=one),
                 dict(base, method="expand", backend="flashinfer", time_us=3 * one),
-                dict(base, method="twostage", backend="flashinfer", time_us=ctx + 8, context_us=ctx, overhead_us=8.0,
-                     context_gbps=kv / (ctx * 1e-6) / 1e9),
+                dict(
+                    base,
+                    method="twostage",
+                    backend="flashinfer",
+                    time_us=ctx + 8,
+                    context_us=ctx,
+                    overhead_us=8.0,
+                    context_gbps=kv / (ctx * 1e-6) / 1e9,
+                ),
             ]
     return out
 

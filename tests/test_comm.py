@@ -39,7 +39,8 @@ def _combine(rank: int, world: int, dtype: torch.dtype) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world,dtype", [(3, torch.float32), (2, torch.bfloat16)])
+# T*H = 15 is odd: with float64 the byte rows must still align for every view.
+@pytest.mark.parametrize("world,dtype", [(3, torch.float32), (2, torch.bfloat16), (2, torch.float64)])
 def test_combines_equal_local_merge(world, dtype):
     o, lse = _states(world, dtype)
     for rank, res in enumerate(run_ranks(world, _combine, dtype)):

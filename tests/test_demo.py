@@ -44,3 +44,18 @@ def test_demo_report_and_errors():
     assert "max_rel_err" in r.stdout and "N=3" in r.stdout
     bad = demo("--world-size", "3", "--heads", "16")
     assert bad.returncode == 2 and "expected world_size >= 1 dividing heads = 16, got world_size = 3" in bad.stderr
+
+
+def test_demo_refuses_bad_options_before_starting_processes():
+    from twostage_mla.demo import DemoArgs, run_demo
+
+    for kwargs, match in [
+        (dict(max_q_len=0), "max_q_len >= 1, got 0"),
+        (dict(iters=0), "iters >= 1, got 0"),
+        (dict(interleave=3), "page_size to be a multiple of interleave = 3, got 64"),
+        (dict(combine="ring"), "combine in"),
+        (dict(backend="nope"), "backend to be 'auto' or one of"),
+        (dict(min_context=10, max_context=5), "min_context <= max_context"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            run_demo(DemoArgs(**kwargs))

@@ -14,7 +14,8 @@ pytest.importorskip("triton")
 from twostage_mla.kernels.query_merge import query_merge_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SHAPES = {"mla": (4, 1, 24, 16), "gqa": (6, 2, 16, 8), "mla_many_heads": (20, 1, 24, 16)}  # H, H_kv, D, Dv
+# H, H_kv, D, Dv; "gqa_wide_v": V wider than q and K (D < Dv)
+SHAPES = {"mla": (4, 1, 24, 16), "gqa": (6, 2, 16, 8), "mla_many_heads": (20, 1, 24, 16), "gqa_wide_v": (4, 2, 8, 16)}
 
 
 def setup(fmt: str, tree: bool, dtype: torch.dtype):

@@ -142,8 +142,8 @@ def test_bad_input_raises_before_any_collective(world):
             r"k.shape == \(\d+, 1, 24\), got \(\d+, 1, 20\)",
             r"k_cache.shape == \(\*, 4, 1, 24\)",
             r"v=None and v_cache=None for MLA",
-            r"plan from this layer's plan\(\).*got str",
-            r"plan from this layer's plan\(\).*interleave=1",
+            r"plan from plan\(\) of a layer with this config.*got str",
+            r"plan from plan\(\) of a layer with this config.*got backend 'reference', .*interleave=1",
             r"group of size 3 .* got size 2",
             r"this process at rank [01] .* got size 2, rank [01]",
             r"process group of size 2, got group=None",
@@ -167,3 +167,43 @@ def test_config_errors():
         AttentionConfig(0, 16, 16, 4, 0.1)
     with pytest.raises(ValueError, match="scale > 0"):
         AttentionConfig(4, 16, 16, 4, 0.0)
+
+
+def _one_rank_step(cfg: AttentionConfig, **kw):
+    layout = DCPLayout()
+    step = synthetic.make_step(
+        [5, 9],
+        [2, 3],
+        heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
+        head_dim_v=cfg.head_dim_v,
+        tree=kw.pop("tree", False),
+        seed=1,
+    )
+    x = synthetic.rank_inputs(step, layout, cfg.page_size, mla=True, dtype=torch.float32, device="cpu")
+    return x, TwoStageAttention(cfg, layout, dtype=torch.float32, **kw)
+
+
+def test_plan_of_another_config_is_refused():
+    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    x, attn = _one_rank_step(cfg)
+    other = TwoStageAttention(
+        AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.3),
+        DCPLayout(),
+        dtype=torch.float32,
+    )
+    plan = other.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    with pytest.raises(ValueError, match=r"with this config .*scale=0.2\), got .*scale=0.3"):
+        attn(x.q, x.k, None, x.k_cache, None, plan)
+    # another instance with the same config may share the plan (one plan per step for all layers)
+    twin = TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32)
+    mine = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    torch.testing.assert_close(twin(x.q, x.k, None, x.k_cache, None, mine), attn(x.q, x.k, None, x.k_cache, None, mine))
+
+
+def test_capture_limits_refuse_tree_masks():
+    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    x, attn = _one_rank_step(cfg, tree=True, max_batch_size=4, max_tokens=16, max_pages=16)
+    with pytest.raises(ValueError, match="no tree parents and fuse_query=False with capture limits"):
+        attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)
+    attn.plan(x.query_start_loc, x.seq_lens, x.block_table)  # a causal step is fine

@@ -58,6 +58,12 @@ def test_kv_slots_match_paged_layout(n_ranks, il, page):
                 assert s == int(table[b, li // page]) * page + li % page
 
 
+def test_kv_slots_with_an_empty_table():
+    table = torch.zeros(1, 0, dtype=torch.int32)
+    slots = kv_slots(torch.arange(3), torch.zeros(3, dtype=torch.long), table, 4, DCPLayout(2, 1, 4))
+    assert slots.tolist() == [-1, -1, -1]
+
+
 def test_layout_rejects_bad_values():
     with pytest.raises(ValueError, match="world_size >= 1"):
         DCPLayout(0, 0, 1)

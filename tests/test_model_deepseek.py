@@ -52,8 +52,14 @@ def test_softmax_scale_is_the_models():
         qk_nope_head_dim=128,
         qk_rope_head_dim=64,
         rope_parameters=dict(
-            rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
-            mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1,
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=40.0,
+            original_max_position_embeddings=4096,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            beta_fast=32,
+            beta_slow=1,
         ),
         max_position_embeddings=163840,
     )

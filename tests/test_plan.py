@@ -70,7 +70,12 @@ def test_zero_query_request_and_empty_batch():
         (dict(qsl=[0, 1, 2], sl=[4]), r"query_start_loc.shape == \(B\+1,\) = \(2,\)"),
         (
             dict(qsl=[0, 1], sl=[100], pages=2),
-            r"block_table with at least 13 pages per request, got 2: request 0 keeps local_len\(seq_len=100\) = 50",
+            r"at least 13 pages per request, got 2: request 0 keeps up to local_len\(seq_len=100\) = 50",
+        ),
+        # rank 1 (this plan) needs 2 pages of 1 token, rank 0 needs 3: refused on every rank alike
+        (
+            dict(qsl=[0, 1], sl=[5], pages=2, page_size=1, layout=DCPLayout(2, 1, 1)),
+            r"at least 3 pages per request, got 2",
         ),
         (dict(qsl=[0, 1], sl=[4], page_size=3), r"page_size to be a positive multiple of interleave = 2, got 3"),
         (dict(qsl=[0, 2], sl=[4], parents=torch.tensor([-1, 1])), r"parents\[t\] == -1 or 0 <= parents\[t\] <"),
@@ -89,3 +94,12 @@ def test_bad_types():
         plan_step(torch.tensor([0, 1]), torch.tensor([2]), torch.zeros(2, 1, **I32), page_size=4, layout=DCPLayout())
     with pytest.raises(ValueError, match="layout to be a DCPLayout"):
         plan_step(torch.tensor([0, 1]), torch.tensor([2]), torch.zeros(1, 1, **I32), page_size=4, layout=(1, 0, 1))
+
+
+def test_negative_page_ids_in_use_are_refused():
+    bt = torch.arange(8, **I32).view(2, 4)
+    bt[1, 1:] = -1  # request 1: seq 10 -> 4 slots on rank 1 -> 1 page; later columns are never read
+    plan_step(torch.tensor([0, 1, 2], **I32), torch.tensor([4, 10], **I32), bt, page_size=4, layout=LAYOUT)
+    bt[1, 0] = -1
+    with pytest.raises(ValueError, match=r"page ids >= 0 in the first 1 entries of block_table\[1\], got \[-1\]"):
+        plan_step(torch.tensor([0, 1, 2], **I32), torch.tensor([4, 10], **I32), bt, page_size=4, layout=LAYOUT)

@@ -30,12 +30,14 @@ def build_shard(
     fill: value of every slot no position is written to (None: random
         noise), so a kernel that reads past a request's length shows up;
         NaN imitates an engine's uninitialised cache.
-    returns cache (P, page_size, H_kv, D) kv.dtype, block_table (B, max_pages) int32.
+    returns cache (P, page_size, H_kv, D) kv.dtype, block_table (B, max_pages) int32
+    (the same width on every rank; unused entries 0).
     """
     n, r, i = layout.world_size, layout.rank, layout.interleave
     sl = seq_lens.tolist()
     pages = [-(-local_len(s, n, i, r) // page_size) for s in sl]
-    width = max(max(pages, default=0), 1)
+    # Every rank's table is as wide as rank 0 needs (the most), as plan_step asks.
+    width = max(max((-(-local_len(s, n, i, 0) // page_size) for s in sl), default=0), 1)
     total = max(sum(pages) + extra_pages, 1)  # a kernel needs at least one page to point at
     order = torch.randperm(total, generator=generator) if generator is not None else torch.arange(total)
     block_table = torch.zeros(len(sl), width, dtype=torch.int32)

@@ -16,6 +16,8 @@ from twostage_mla.layer import AttentionConfig, TwoStageAttention
 from twostage_mla.layout import DCPLayout
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}  # fmt: skip
 
 # (label, config, kv_format): small but real head dims, MLA at DeepSeek's 576/512.
 SHAPES = [
@@ -29,7 +31,10 @@ def run_check(device: str = "auto", dtypes: tuple[str, ...] = ()) -> list[dict]:
     dev = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     )
-    names = [getattr(torch, d) for d in dtypes] or (
+    for d in dtypes:
+        if d not in DTYPES:
+            raise ValueError(f"expected --dtype in {sorted(DTYPES)}, got {d!r}")
+    names = [DTYPES[d] for d in dtypes] or (
         [torch.bfloat16, torch.float16] if dev.type == "cuda" else [torch.float32, torch.bfloat16]
     )
     ctx, ql = [0, 5, 700, 1500], [3, 1, 8, 4]  # an empty context, short, longer; q_len 1..8

@@ -43,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         from twostage_mla.check import format_rows, run_check
 
-        rows = run_check(args.device, tuple(args.dtype))
+        try:
+            rows = run_check(args.device, tuple(args.dtype))
+        except ValueError as e:
+            parser.error(str(e))
         print(json.dumps(rows) if args.json else format_rows(rows))
         return 1 if any(r["status"].startswith("FAIL") for r in rows) else 0
 

@@ -49,16 +49,19 @@ def exchange_a2a(o: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup) -
     rank n's shard; views into one receive buffer.
     """
     n = o.shape[0]
-    # o and lse travel as raw bytes in one collective; lse starts 16-byte aligned.
+    # o and lse travel as raw bytes in one collective; both segments are padded
+    # to 16 bytes so every row can be viewed back as o's dtype and as float32.
     o_bytes = o[0].numel() * o.element_size()
     o_pad = -(-o_bytes // 16) * 16
-    send = o.new_empty((n, o_pad + lse[0].numel() * 4), dtype=torch.uint8)
+    lse_pad = -(-lse[0].numel() * 4 // 16) * 16
+    send = o.new_empty((n, o_pad + lse_pad), dtype=torch.uint8)
     # contiguous(): a (N, T, 1)-shaped slice can reshape to a strided view, which cannot change dtype.
     send[:, :o_bytes] = o.reshape(n, -1).contiguous().view(torch.uint8)
-    send[:, o_pad:] = lse.float().reshape(n, -1).contiguous().view(torch.uint8)
+    send[:, o_pad : o_pad + lse[0].numel() * 4] = lse.float().reshape(n, -1).contiguous().view(torch.uint8)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    return recv[:, :o_bytes].view(o.dtype).view(o.shape), recv[:, o_pad:].view(torch.float32).view(lse.shape)
+    lse_recv = recv[:, o_pad : o_pad + lse[0].numel() * 4].view(torch.float32).view(lse.shape)
+    return recv[:, :o_bytes].view(o.dtype).view(o.shape), lse_recv
 
 
 def combine_a2a(

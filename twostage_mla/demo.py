@@ -20,6 +20,8 @@ import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
 from twostage_mla import synthetic
+from twostage_mla.backends import backend_names
+from twostage_mla.comm import COMBINE_METHODS
 from twostage_mla.layer import PHASES, AttentionConfig, TwoStageAttention
 from twostage_mla.layout import DCPLayout
 
@@ -155,6 +157,18 @@ def run_demo(args: DemoArgs) -> dict:
     """Run the demo on ``args.world_size`` local processes; returns rank 0's report."""
     if args.world_size < 1 or args.heads % args.world_size:
         raise ValueError(f"expected world_size >= 1 dividing heads = {args.heads}, got world_size = {args.world_size}")
+    # Everything a worker would refuse is checked here, before processes start.
+    for name in ("interleave", "page_size", "batch", "max_q_len", "iters", "kv_lora_rank", "rope_dim"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"expected {name} >= 1, got {getattr(args, name)}")
+    if args.page_size % args.interleave:
+        raise ValueError(f"expected page_size to be a multiple of interleave = {args.interleave}, got {args.page_size}")
+    if not 0 <= args.min_context <= args.max_context:
+        raise ValueError(f"expected 0 <= min_context <= max_context, got {args.min_context}, {args.max_context}")
+    if args.combine not in COMBINE_METHODS:
+        raise ValueError(f"expected combine in {COMBINE_METHODS}, got {args.combine!r}")
+    if args.backend != "auto" and args.backend not in backend_names():
+        raise ValueError(f"expected backend to be 'auto' or one of {backend_names()}, got {args.backend!r}")
     device = resolve_device(args.world_size, args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     if dtype not in ("float32", "bfloat16", "float16"):

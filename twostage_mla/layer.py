@@ -174,9 +174,7 @@ class TwoStageAttention:
         self.query_merge = select_query_merge(self.spec) if fuse_query else None
         self.backend.query_pass = self.query_merge is None
         if fuse_query and self.query_merge is None:
-            raise ValueError(
-                f"expected fuse_query=False on {self.device}: the fused kernel needs CUDA and Triton"
-            )
+            raise ValueError(f"expected fuse_query=False on {self.device}: the fused kernel needs CUDA and Triton")
 
     def plan(
         self,
@@ -198,8 +196,15 @@ class TwoStageAttention:
         plan = plan_step(
             query_start_loc, seq_lens, block_table, page_size=self.config.page_size, layout=self.layout, parents=parents
         )
+        if self.backend.limits.given and (self.query_merge is not None or parents is not None):
+            # Only the backend's metadata lives in fixed buffers; the fused query
+            # pass and tree masks read per-step plan tensors a replayed graph would not see.
+            raise ValueError(
+                "expected no tree parents and fuse_query=False with capture limits (max_batch_size, "
+                "max_tokens, max_pages): a graph replayed across steps would read the captured step's indices"
+            )
         state = self.backend.plan(plan)
-        return replace(plan, backend=self.backend.name, backend_state=state)
+        return replace(plan, backend=self.backend.name, backend_state=state, spec=self.spec)
 
     def __call__(
         self,
@@ -224,10 +229,21 @@ class TwoStageAttention:
 
         No host synchronisation: capturable in a CUDA graph once planned.
         """
-        if not isinstance(plan, StepPlan) or plan.backend != self.backend.name or plan.layout != self.layout:
+        ok = isinstance(plan, StepPlan) and (plan.backend, plan.spec, plan.layout) == (
+            self.backend.name,
+            self.spec,
+            self.layout,
+        )
+        if not ok:  # a plan of another config would run with its heads, scale or metadata
             raise ValueError(
-                f"expected plan from this layer's plan() (backend {self.backend.name!r}, {self.layout}), got "
-                + (f"backend {plan.backend!r}, {plan.layout}" if isinstance(plan, StepPlan) else type(plan).__name__)
+                f"expected plan from plan() of a layer with this config (backend {self.backend.name!r}, "
+                f"{self.layout}, {self.spec.summary()}, scale={self.spec.scale}), got "
+                + (
+                    f"backend {plan.backend!r}, {plan.layout}, "
+                    + (f"{plan.spec.summary()}, scale={plan.spec.scale}" if plan.spec else "no spec")
+                    if isinstance(plan, StepPlan)
+                    else type(plan).__name__
+                )
             )
         cfg, t = self.config, plan.num_tokens
         if plan.page_size != cfg.page_size:

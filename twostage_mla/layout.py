@@ -84,13 +84,16 @@ def kv_slots(
     request: (T,) int, the request (row of ``block_table``) each token belongs to.
     block_table: (B, max_pages) int32, this rank's pages per request.
     returns: (T,) int64; slot s means ``cache.view(-1, ...)[s]``, i.e. page
-        ``s // page_size``, offset ``s % page_size``.
+        ``s // page_size``, offset ``s % page_size``. The table must cover every
+        position this rank owns (:func:`plan_step` checks that).
 
     Use it to write the step's new K/V (or a prefill) into this rank's shard:
     ``keep = slots >= 0; cache.view(-1, H, D)[slots[keep]] = k[keep]``.
     """
     n, i = layout.world_size, layout.interleave
     positions = positions.long()
+    if block_table.shape[1] == 0:  # this rank holds nothing of these requests
+        return torch.full_like(positions, -1)
     li = local_index(positions, n, i)
     # Positions owned elsewhere can index past this rank's table: clamp, then mask.
     col = (li // page_size).clamp(max=block_table.shape[1] - 1)

@@ -53,6 +53,7 @@ class StepPlan:
     query_mask: torch.Tensor | None = None  # (B, max_q_len, max_q_len) bool; None = causal
     backend: str | None = None
     backend_state: Any = None
+    spec: Any = None  # the AttentionSpec of the layer that planned it
 
     def new_token_slots(self) -> torch.Tensor:
         """(T,) int64: flat slot of each new token in this rank's cache, -1 if not here."""
@@ -153,13 +154,24 @@ def plan_step(
                 f"seq_lens[{i}] = {sl[i]} (seq_lens counts the step's new tokens too)"
             )
     n, r, il = layout.world_size, layout.rank, layout.interleave
-    need = [-(-local_len(s, n, il, r) // page_size) for s in sl]
+    # Width is checked against rank 0's need (the largest of any rank), so a
+    # table too narrow for some rank is refused on every rank alike: no rank
+    # goes on into a collective that another rank will never reach.
+    need = [-(-local_len(s, n, il, 0) // page_size) for s in sl]
     if b and max(need) > bt.shape[1]:
         i = need.index(max(need))
         raise ValueError(
             f"expected block_table with at least {need[i]} pages per request, got "
-            f"{bt.shape[1]}: request {i} keeps local_len(seq_len={sl[i]}) = "
-            f"{local_len(sl[i], n, il, r)} tokens on rank {r} at page_size {page_size}"
+            f"{bt.shape[1]}: request {i} keeps up to local_len(seq_len={sl[i]}) = "
+            f"{local_len(sl[i], n, il, 0)} tokens on a rank at page_size {page_size}"
+        )
+    mine = [-(-local_len(s, n, il, r) // page_size) for s in sl]
+    used = torch.arange(bt.shape[1], device=bt.device)[None, :] < torch.tensor(mine, device=bt.device)[:, None]
+    if bool((bt < 0).logical_and(used).any()):
+        b_bad = int((bt < 0).logical_and(used).any(dim=1).nonzero()[0])
+        raise ValueError(
+            f"expected page ids >= 0 in the first {mine[b_bad]} entries of block_table[{b_bad}], "
+            f"got {bt[b_bad, : mine[b_bad]].tolist()}"
         )
 
     t = qsl[-1]

@@ -34,15 +34,16 @@ def _query_merge_kernel(
     g = (tl.program_id(1) % NBLK) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = g < G
     h = kvh * G + g  # (BLOCK_H,) query heads reading KV head kvh
-    da = tl.arange(0, BLOCK_A)  # dims 0 .. Dv-1 (K and V)
-    db = DV + tl.arange(0, BLOCK_B)  # dims Dv .. D-1 (K only: MLA's rope part)
+    da = tl.arange(0, BLOCK_A)  # dims 0 .. Dv-1 (V), of which 0 .. min(D, Dv)-1 also in q and K
+    db = DV + tl.arange(0, BLOCK_B)  # dims Dv .. D-1 (K only: MLA's rope part; none when D <= Dv)
     amask = da < DV
+    qkmask = (da < DV) & (da < D)
     bmask = db < D
 
     b = tl.load(REQ + t)
     j = tl.load(OFF + t)
     start = tl.load(QSL + b)
-    qa = tl.load(Q + t * sq_t + h[:, None] * sq_h + da[None, :], mask=hmask[:, None] & amask[None, :], other=0.0)
+    qa = tl.load(Q + t * sq_t + h[:, None] * sq_h + da[None, :], mask=hmask[:, None] & qkmask[None, :], other=0.0)
     qb = tl.load(Q + t * sq_t + h[:, None] * sq_h + db[None, :], mask=hmask[:, None] & bmask[None, :], other=0.0)
     qa = qa.to(tl.float32)
     qb = qb.to(tl.float32)
@@ -56,7 +57,7 @@ def _query_merge_kernel(
         n_keys = j + 1  # causal: keys 0 .. j of the request
     for i in range(0, n_keys):
         row = start + i
-        ka = tl.load(K + row * sk_t + kvh * sk_h + da, mask=amask, other=0.0).to(tl.float32)
+        ka = tl.load(K + row * sk_t + kvh * sk_h + da, mask=qkmask, other=0.0).to(tl.float32)
         kb = tl.load(K + row * sk_t + kvh * sk_h + db, mask=bmask, other=0.0).to(tl.float32)
         s = (tl.sum(qa * ka[None, :], axis=1) + tl.sum(qb * kb[None, :], axis=1)) * scale
         if HAS_MASK:
