@@ -98,7 +98,7 @@ class TwoStageAttention:
     backend: "auto" or a name from :func:`twostage_mla.backends.backend_names`.
     dtype, device: of q, K/V and the cache.
     max_batch_size, max_tokens, max_pages: optional maxima (B, T, and pages
-        one step's context pass reads on this rank); with all three given, a
+        one step's context pass reads on rank 0, the most of any rank); with all three given, a
         backend that needs persistent buffers for CUDA graphs (flashinfer)
         keeps its metadata there, so a graph captured once replays correctly
         after later plans of the same B and T. Without them a captured graph

@@ -28,7 +28,8 @@ class CaptureLimits:
     """Maxima a backend sizes its persistent buffers from, for CUDA-graph replay across steps.
 
     max_batch_size: B at most; max_tokens: T at most; max_pages: pages one
-    step's context pass reads on this rank at most (sum over requests).
+    step's context pass reads on rank 0 at most (sum over requests; rank 0
+    holds the most, so every rank checks the same count).
     None everywhere (the default): buffers follow each step, and a captured
     graph stays valid only for the plan it was captured with.
     """

@@ -45,9 +45,21 @@ from twostage_mla.backends._paged import (
 )
 from twostage_mla.backends.base import AttentionBackend, AttentionSpec, CaptureLimits, State
 from twostage_mla.backends.reference import ReferenceBackend
+from twostage_mla.layout import local_len
 from twostage_mla.plan import StepPlan
 
 _WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial states)
+
+
+def _pages_on_rank0(plan: StepPlan) -> int:
+    """Pages the context pass reads on rank 0, the most of any rank.
+
+    The capture limit is checked against this rank-independent count, so a
+    step over the limit is refused on every rank alike (no rank left alone in
+    a collective).
+    """
+    n, i = plan.layout.world_size, plan.layout.interleave
+    return sum(-(-local_len(c, n, i, 0) // plan.page_size) for c in plan.context_lens.tolist())
 
 
 def _flashinfer() -> Any:
@@ -175,7 +187,7 @@ class FlashInferBackend(AttentionBackend):
         dt, scale = s.dtype, s.scale
         qsl = plan.query_start_loc
         page_indptr, page_indices = page_lists(plan)
-        w = self._wrappers_for(plan, int(page_indptr[-1]))
+        w = self._wrappers_for(plan, _pages_on_rank0(plan))
         dense = plan.query_mask is not None
         plan_query = not dense and self.query_pass
         if self._mla:
