@@ -152,5 +152,16 @@ class AttentionBackend:
 
         q: (T, num_heads, D); k: (T, H_kv, D); v: (T, H_kv, Dv).
         returns o (T, num_heads, Dv) q.dtype, lse (T, num_heads) float32.
+        A step with no tokens, or with a tree mask, is served here for every
+        backend (the reference's dense pass: a few tokens per request);
+        the rest goes to :meth:`_query`, the backend's causal kernel.
         """
+        if q.shape[0] == 0 or plan.query_mask is not None:
+            from twostage_mla.backends.reference import ReferenceBackend  # it subclasses this module's class
+
+            return ReferenceBackend.query(self, q, k, v, plan)  # type: ignore[arg-type]
+        return self._query(q, k, v, plan)
+
+    def _query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
+        """The causal kernel of :meth:`query`: T > 0 tokens, no tree mask."""
         raise NotImplementedError

@@ -34,7 +34,6 @@ import torch
 
 from twostage_mla.backends._paged import empty_context_rows, empty_state, mask_empty_rows
 from twostage_mla.backends.base import AttentionBackend, AttentionSpec, State
-from twostage_mla.backends.reference import ReferenceBackend
 from twostage_mla.plan import StepPlan
 
 
@@ -45,7 +44,6 @@ class FlashAttnState:
     key_indptr: torch.Tensor  # (B+1,) int32 cumulative local context lengths
     max_k: int
     empty_rows: torch.Tensor | None  # (T, 1) bool
-    dense_query: bool
 
 
 def _lse_tokens(lse: torch.Tensor, plan: StepPlan, h: int) -> torch.Tensor:
@@ -69,7 +67,6 @@ class _FlashAttnBase(AttentionBackend):
 
     def __init__(self, spec: AttentionSpec, limits=None) -> None:
         super().__init__(spec, limits)
-        self._dense = ReferenceBackend(spec)
         self._fa: Any = None
 
     def _lib(self) -> Any:
@@ -83,8 +80,7 @@ class _FlashAttnBase(AttentionBackend):
         lens = plan.local_context_lens
         indptr = torch.zeros(plan.batch_size + 1, dtype=torch.int32, device=lens.device)
         indptr[1:] = lens.cumsum(0)
-        return FlashAttnState(indptr, plan.max_local_context_len, empty_context_rows(plan),
-                              plan.query_mask is not None)
+        return FlashAttnState(indptr, plan.max_local_context_len, empty_context_rows(plan))
 
     def _state(self, plan: StepPlan) -> FlashAttnState:
         if not isinstance(plan.backend_state, FlashAttnState):
@@ -128,14 +124,10 @@ class FlashAttn3Backend(_FlashAttnBase):
             o, lse = _first_two(fa.flash_attn_with_kvcache(q, k_cache, v_cache, **common))
         return mask_empty_rows(o, _lse_tokens(lse, plan, h), st.empty_rows)
 
-    def query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
+    def _query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
         """Causal varlen pass: q (T, H, D) -> o (T, H, Dv), lse (T, H) float32. Graph-capturable."""
-        st, s = self._state(plan), self.spec
-        t, h, dv = q.shape[0], q.shape[1], s.head_dim_v
-        if t == 0:
-            return empty_state(t, h, dv, q)
-        if st.dense_query:
-            return self._dense.query(q, k, v, plan)
+        s = self.spec
+        h, dv = q.shape[1], s.head_dim_v
         fa, qsl, mq = self._lib(), plan.query_start_loc, plan.max_q_len
         if s.kv_format == "mla":
             res = fa.flash_attn_varlen_func(q[..., dv:], k[..., dv:], k[..., :dv], qsl, qsl, mq, mq,
@@ -176,14 +168,9 @@ class FlashAttn2Backend(_FlashAttnBase):
             softmax_scale=self.spec.scale, causal=False, return_attn_probs=True, block_table=plan.block_table))
         return mask_empty_rows(o, _lse_tokens(lse, plan, h), st.empty_rows)
 
-    def query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
+    def _query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
         """Causal varlen pass: q (T, H, D) -> o (T, H, D), lse (T, H) float32. Graph-capturable."""
-        st = self._state(plan)
-        t, h = q.shape[0], q.shape[1]
-        if t == 0:
-            return empty_state(t, h, self.spec.head_dim_v, q)
-        if st.dense_query:
-            return self._dense.query(q, k, v, plan)
+        h = q.shape[1]
         qsl, mq = plan.query_start_loc, plan.max_q_len
         o, lse = _first_two(self._lib().flash_attn_varlen_func(
             q, k, v, qsl, qsl, mq, mq, softmax_scale=self.spec.scale, causal=True, return_attn_probs=True))

@@ -44,7 +44,6 @@ from twostage_mla.backends._paged import (
     page_lists,
 )
 from twostage_mla.backends.base import AttentionBackend, AttentionSpec, CaptureLimits, State
-from twostage_mla.backends.reference import ReferenceBackend
 from twostage_mla.layout import local_len
 from twostage_mla.plan import StepPlan
 
@@ -85,7 +84,6 @@ class FlashInferState:
     wrappers: _Wrappers | None  # None: the step has no tokens
     generation: int  # must equal wrappers.generation when a layer runs
     empty_rows: torch.Tensor | None  # (T, 1) bool rows to set to (0, -inf), or None
-    dense_query: bool  # tree mask: query pass through the reference
 
 
 class FlashInferBackend(AttentionBackend):
@@ -115,7 +113,6 @@ class FlashInferBackend(AttentionBackend):
         super().__init__(spec, limits)
         self._mla = spec.kv_format == "mla"
         self._ctx_heads = spec.num_heads * spec.world_size
-        self._dense = ReferenceBackend(spec)
         self._workspace: torch.Tensor | None = None
         self._by_batch: dict[int, _Wrappers] = {}  # capture mode: one set per batch size
         self._shared: _Wrappers | None = None
@@ -182,14 +179,14 @@ class FlashInferBackend(AttentionBackend):
     def plan(self, plan: StepPlan) -> FlashInferState:
         """Plan both passes for this step (host sync; not capturable)."""
         if plan.num_tokens == 0:
-            return FlashInferState(None, 0, None, False)
+            return FlashInferState(None, 0, None)
         s = self.spec
         dt, scale = s.dtype, s.scale
         qsl = plan.query_start_loc
         page_indptr, page_indices = page_lists(plan)
         w = self._wrappers_for(plan, _pages_on_rank0(plan))
-        dense = plan.query_mask is not None
-        plan_query = not dense and self.query_pass
+        # Tree masks take the base class's dense query pass: no query kernel to plan then.
+        plan_query = plan.query_mask is None and self.query_pass
         if self._mla:
             dv, dr = s.head_dim_v, s.head_dim - s.head_dim_v
             w.ctx.plan(qsl, page_indptr, page_indices, plan.local_context_lens, self._ctx_heads, dv, dr,
@@ -211,7 +208,7 @@ class FlashInferBackend(AttentionBackend):
             buf.copy_(empty if empty is not None else torch.zeros_like(buf))
             empty = buf
         w.generation += 1
-        return FlashInferState(w, w.generation, empty, dense)
+        return FlashInferState(w, w.generation, empty)
 
     def _state(self, plan: StepPlan) -> FlashInferState:
         st = plan.backend_state
@@ -246,17 +243,13 @@ class FlashInferBackend(AttentionBackend):
         lse.mul_(LN2)
         return mask_empty_rows(o, lse, st.empty_rows)
 
-    def query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
+    def _query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
         """Causal pass over the fresh K/V; q (T, H, D) -> o (T, H, Dv), lse (T, H) float32.
 
         Graph-capturable (no host sync).
         """
         st, dv = self._state(plan), self.spec.head_dim_v
         t, h = q.shape[0], q.shape[1]
-        if st.wrappers is None:
-            return empty_state(t, h, dv, q)
-        if st.dense_query:
-            return self._dense.query(q, k, v, plan)
         o = q.new_empty((t, h, dv))
         lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
         if self._mla:

@@ -30,7 +30,6 @@ import torch
 
 from twostage_mla.backends._paged import empty_context_rows, empty_state, gather_slots, mask_empty_rows
 from twostage_mla.backends.base import AttentionBackend, AttentionSpec, State
-from twostage_mla.backends.reference import ReferenceBackend
 from twostage_mla.plan import StepPlan
 
 _CAUSAL_TOP_LEFT = 1  # sdp::CustomMaskType::CausalFromTopLeft
@@ -52,7 +51,6 @@ class TorchEfficientState:
     row_req: torch.Tensor  # (T*G,) int64 request of each folded row
     row_off: torch.Tensor  # (T*G,) int64 row index within its request
     empty_rows: torch.Tensor | None  # (T, 1) bool
-    dense_query: bool
     q_req: torch.Tensor  # (T,) int64 request of each token (query-pass lse)
     q_off: torch.Tensor  # (T,) int64 token index within its request
 
@@ -84,7 +82,6 @@ class TorchEfficientBackend(AttentionBackend):
     def __init__(self, spec: AttentionSpec, limits=None) -> None:
         super().__init__(spec, limits)
         self._g_ctx = spec.num_heads * spec.world_size // spec.num_kv_heads  # query heads per KV head
-        self._dense = ReferenceBackend(spec)
 
     def plan(self, plan: StepPlan) -> TorchEfficientState:
         """Gather index, folded row offsets, empty rows (host sync)."""
@@ -97,7 +94,7 @@ class TorchEfficientBackend(AttentionBackend):
         return TorchEfficientState(
             slots=slots, cu_k=cu_k, max_k=plan.max_local_context_len,
             cu_q_folded=(plan.query_start_loc * g).to(torch.int32), row_req=row_req, row_off=row_off,
-            empty_rows=empty_context_rows(plan), dense_query=plan.query_mask is not None,
+            empty_rows=empty_context_rows(plan),
             q_req=plan.token_request, q_off=plan.token_offset,
         )
 
@@ -130,14 +127,10 @@ class TorchEfficientBackend(AttentionBackend):
         lse = lse[st.row_req, :, st.row_off].view(t, g, hk).transpose(1, 2).reshape(t, h)
         return mask_empty_rows(o, lse, st.empty_rows)
 
-    def query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
+    def _query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
         """Causal pass over the fresh K/V: q (T, H, D) -> o (T, H, Dv), lse (T, H) float32. Graph-capturable."""
         st = self._state(plan)
-        t, h = q.shape[0], q.shape[1]
-        if t == 0:
-            return empty_state(t, h, self.spec.head_dim_v, q)
-        if st.dense_query:
-            return self._dense.query(q, k, v, plan)
+        h = q.shape[1]
         # Query head i reads KV head i // G. The kernel wants as many K/V heads as
         # query heads: repeat them (T*H rows of fresh K/V, a few MB at most).
         kx = k.repeat_interleave(h // k.shape[1], dim=1)

@@ -28,7 +28,6 @@ from twostage_mla.backends._paged import (
     mask_empty_rows,
 )
 from twostage_mla.backends.base import AttentionBackend, AttentionSpec, State
-from twostage_mla.backends.reference import ReferenceBackend
 from twostage_mla.plan import StepPlan
 
 
@@ -52,7 +51,6 @@ class TorchFlashState:
     key_indptr: torch.Tensor  # (B+1,) int32 cumulative local context lengths
     max_k: int  # longest local context
     empty_rows: torch.Tensor | None  # (T, 1) bool
-    dense_query: bool
 
 
 class TorchFlashBackend(AttentionBackend):
@@ -82,7 +80,6 @@ class TorchFlashBackend(AttentionBackend):
     def __init__(self, spec: AttentionSpec, limits=None) -> None:
         super().__init__(spec, limits)
         self._paged_ok = _op_takes("block_table") and spec.page_size % 256 == 0
-        self._dense = ReferenceBackend(spec)
 
     def plan(self, plan: StepPlan) -> TorchFlashState:
         """Gather index (if needed), key offsets, empty rows (host sync)."""
@@ -90,8 +87,7 @@ class TorchFlashBackend(AttentionBackend):
         indptr = torch.zeros(plan.batch_size + 1, dtype=torch.int32, device=lens.device)
         indptr[1:] = lens.cumsum(0)
         slots = None if self._paged_ok else gather_slots(plan)[0]
-        return TorchFlashState(self._paged_ok, slots, indptr, plan.max_local_context_len,
-                               empty_context_rows(plan), plan.query_mask is not None)
+        return TorchFlashState(self._paged_ok, slots, indptr, plan.max_local_context_len, empty_context_rows(plan))
 
     def _state(self, plan: StepPlan) -> TorchFlashState:
         if not isinstance(plan.backend_state, TorchFlashState):
@@ -120,14 +116,9 @@ class TorchFlashBackend(AttentionBackend):
                 q, k, v, plan.query_start_loc, st.key_indptr, plan.max_q_len, st.max_k, 0.0, False, False, **common)
         return mask_empty_rows(o, lse_heads_major(lse, t, h), st.empty_rows)
 
-    def query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
+    def _query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
         """Causal varlen pass: q (T, H, D) -> o (T, H, D), lse (T, H) float32. Graph-capturable."""
-        st = self._state(plan)
         t, h = q.shape[0], q.shape[1]
-        if t == 0:
-            return empty_state(t, h, self.spec.head_dim_v, q)
-        if st.dense_query:
-            return self._dense.query(q, k, v, plan)
         qsl = plan.query_start_loc
         o, lse, *_ = _flash_attention_forward(
             q, k, v, qsl, qsl, plan.max_q_len, plan.max_q_len, 0.0, True, False, scale=self.spec.scale)
