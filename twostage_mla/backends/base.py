@@ -132,6 +132,14 @@ class AttentionBackend:
         self.spec = spec
         self.limits = limits or CaptureLimits()
 
+    def _plan_state(self, plan: StepPlan, kind: type) -> Any:
+        """plan.backend_state, checked to be of ``kind`` (a plan made by this backend's plan())."""
+        if not isinstance(plan.backend_state, kind):
+            raise ValueError(
+                f"expected plan.backend_state from {type(self).__name__}.plan, got {type(plan.backend_state).__name__}"
+            )
+        return plan.backend_state
+
     def plan(self, plan: StepPlan) -> Any:
         """Per-step kernel plans (built once, reused by every layer); None if none."""
         return None

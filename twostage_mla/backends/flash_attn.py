@@ -83,10 +83,7 @@ class _FlashAttnBase(AttentionBackend):
         return FlashAttnState(indptr, plan.max_local_context_len, empty_context_rows(plan))
 
     def _state(self, plan: StepPlan) -> FlashAttnState:
-        if not isinstance(plan.backend_state, FlashAttnState):
-            raise ValueError(f"expected plan.backend_state from {type(self).__name__}.plan, got "
-                             f"{type(plan.backend_state).__name__}")
-        return plan.backend_state
+        return self._plan_state(plan, FlashAttnState)
 
 
 class FlashAttn3Backend(_FlashAttnBase):

@@ -211,9 +211,7 @@ class FlashInferBackend(AttentionBackend):
         return FlashInferState(w, w.generation, empty)
 
     def _state(self, plan: StepPlan) -> FlashInferState:
-        st = plan.backend_state
-        if not isinstance(st, FlashInferState):
-            raise ValueError(f"expected plan.backend_state from FlashInferBackend.plan, got {type(st).__name__}")
+        st = self._plan_state(plan, FlashInferState)
         if st.wrappers is not None and st.generation != st.wrappers.generation:
             raise ValueError(
                 "expected the latest plan of this layer: FlashInfer wrappers hold one step's plan at a time, "

@@ -99,10 +99,7 @@ class TorchEfficientBackend(AttentionBackend):
         )
 
     def _state(self, plan: StepPlan) -> TorchEfficientState:
-        if not isinstance(plan.backend_state, TorchEfficientState):
-            raise ValueError(f"expected plan.backend_state from TorchEfficientBackend.plan, got "
-                             f"{type(plan.backend_state).__name__}")
-        return plan.backend_state
+        return self._plan_state(plan, TorchEfficientState)
 
     def context(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan) -> State:
         """q (T, N*H, D) over the local context -> o (T, N*H, Dv) q.dtype, lse (T, N*H) float32.

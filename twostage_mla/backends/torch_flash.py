@@ -90,10 +90,7 @@ class TorchFlashBackend(AttentionBackend):
         return TorchFlashState(self._paged_ok, slots, indptr, plan.max_local_context_len, empty_context_rows(plan))
 
     def _state(self, plan: StepPlan) -> TorchFlashState:
-        if not isinstance(plan.backend_state, TorchFlashState):
-            raise ValueError(f"expected plan.backend_state from TorchFlashBackend.plan, got "
-                             f"{type(plan.backend_state).__name__}")
-        return plan.backend_state
+        return self._plan_state(plan, TorchFlashState)
 
     def context(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan) -> State:
         """q (T, N*H, D) over the local context -> o (T, N*H, D) q.dtype, lse (T, N*H) float32.
