@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
-from twostage_mla.state import MergeFn, merge_states
+from twostage_mla.state import MergeFn, lse_weights, merge_states
 
 COMBINE_METHODS = ("a2a", "ag_rs")
 
@@ -32,11 +32,6 @@ def gather_queries(q: torch.Tensor, group: dist.ProcessGroup, world_size: int) -
     out = q.new_empty((world_size * q.shape[0], *q.shape[1:]))
     work = _all_gather(out, q.contiguous(), group=group, async_op=True)
     return out.view(world_size, *q.shape), work
-
-
-def _safe_exp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """exp(a - b), 0 where b is -inf (every state empty)."""
-    return torch.exp(a - torch.where(torch.isneginf(b), 0.0, b))
 
 
 def exchange_a2a(o: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,8 +93,8 @@ def combine_ag_rs(
     all_lse = lse.new_empty((n * n, *lse.shape[1:]), dtype=torch.float32)
     _all_gather(all_lse, lse.float().contiguous(), group=group)
     all_lse = all_lse.view(n, *lse.shape)  # (src, dst, T, H)
-    total = torch.logsumexp(all_lse, dim=0)  # (dst, T, H)
-    w = _safe_exp_diff(lse.float(), total).unsqueeze(-1)
+    total, w = lse_weights(all_lse)  # (dst, T, H), (src, dst, T, H)
+    w = w[rank].unsqueeze(-1)  # this rank's own row: its shard's weight for every head
     scaled = torch.where(w > 0, o.float() * w, 0.0)
     out = o.new_empty(o.shape[1:], dtype=torch.float32)
     _reduce_scatter(out, scaled.reshape(n * o.shape[1], *o.shape[2:]), group=group)

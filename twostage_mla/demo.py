@@ -74,7 +74,7 @@ def _worker(rank: int, a: DemoArgs, device: str, init: str, out_path: str) -> No
     try:
         dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
         dtype = getattr(torch, a.dtype)
-        scale = (a.kv_lora_rank + a.rope_dim) ** -0.5  # placeholder scale; the model's comes from its config
+        scale = (a.kv_lora_rank + a.rope_dim) ** -0.5  # 1/sqrt(D) for random data; a model passes its own scale
         cfg = AttentionConfig.mla(
             num_heads=a.heads // a.world_size,
             kv_lora_rank=a.kv_lora_rank,
@@ -114,7 +114,7 @@ def _worker(rank: int, a: DemoArgs, device: str, init: str, out_path: str) -> No
         h = cfg.num_heads
         ref, _ = synthetic.oracle(step, scale) if rank == 0 else (None, None)
         outs = [torch.empty_like(out) for _ in range(a.world_size)] if rank == 0 else None
-        dist.gather(out.contiguous() if device == "cpu" else out.contiguous(), outs, dst=0)
+        dist.gather(out.contiguous(), outs, dst=0)
         if rank == 0:
             full = torch.cat([o.double().cpu() for o in outs], dim=1)
             err = (full - ref).abs().max().item()

@@ -43,8 +43,12 @@ def normalize_lse(lse: torch.Tensor, *, base2: bool = False) -> torch.Tensor:
     return lse.masked_fill(bad, NEG_INF)
 
 
-def _weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merged lse and per-state weights over dim 0; safe when all are -inf."""
+def lse_weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merged lse and each state's weight exp(lse_k - lse), over dim 0.
+
+    lses: (K, ...) float32. returns lse (...) and weights (K, ...), weights 0
+    (not NaN) where every state is empty.
+    """
     lse = torch.logsumexp(lses, dim=0)
     # Where every state is empty, logsumexp is -inf and lses - lse is NaN:
     # subtract 0 instead, so each weight is exp(-inf) = 0.
@@ -80,7 +84,7 @@ def merge_states(
     if extra is not None:
         o = torch.cat([o.float(), extra[0].float()[None]])
         lse = torch.cat([lse.float(), extra[1].float()[None]])
-    merged_lse, w = _weights(lse.float())
+    merged_lse, w = lse_weights(lse.float())
     w = w.unsqueeze(-1)
     # An empty state's o may be garbage (some kernels write NaN): weight 0 must win.
     merged = torch.where(w > 0, o.float() * w, 0.0).sum(dim=0)
