@@ -307,12 +307,15 @@ def _nccl_worker(rank: int, world: int, init: str, out_dir: str) -> None:
     results, layers = [], []
     path = os.path.join(out_dir, f"{rank}.pt")
     try:
-        # MLA through auto (flashinfer where installed), GQA through torch's FA2: two backends under NCCL.
-        for fmt, il, combine, name in (
-            ("mla", 1, "a2a", "auto"),
-            ("mla", 64, "ag_rs", "auto"),
-            ("gqa", 1, "ag_rs", "torch_flash"),
-            ("gqa", 16, "a2a", "torch_flash"),
+        # MLA through auto (flashinfer where installed), GQA through torch's FA2: two backends under NCCL;
+        # then MLA with the fused query+merge kernel after each combine.
+        for fmt, il, combine, name, fuse in (
+            ("mla", 1, "a2a", "auto", False),
+            ("mla", 64, "ag_rs", "auto", False),
+            ("gqa", 1, "ag_rs", "torch_flash", False),
+            ("gqa", 16, "a2a", "torch_flash", False),
+            ("mla", 4, "a2a", "auto", True),
+            ("mla", 16, "ag_rs", "auto", True),
         ):
             heads = 16 if fmt == "mla" else 8
             cfg = _config(fmt, heads, 64)
@@ -332,7 +335,14 @@ def _nccl_worker(rank: int, world: int, init: str, out_dir: str) -> None:
             layout = DCPLayout(world, rank, il)
             x = synthetic.rank_inputs(step, layout, 64, mla=mla, dtype=dt, device=dev, seed=il)
             attn = TwoStageAttention(
-                cfg, layout, group=dist.group.WORLD, combine=combine, backend=name, dtype=dt, device=dev
+                cfg,
+                layout,
+                group=dist.group.WORLD,
+                combine=combine,
+                backend=name,
+                dtype=dt,
+                device=dev,
+                fuse_query=fuse,
             )
             plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
             out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
@@ -340,7 +350,16 @@ def _nccl_worker(rank: int, world: int, init: str, out_dir: str) -> None:
             rel = ((out.double().cpu() - ref_o).abs().max() / ref_o.abs().max()).item()
             lse_err = (lse.double().cpu() - ref_lse).abs().max().item()
             results.append(
-                dict(fmt=fmt, il=il, combine=combine, backend=attn.backend.name, rel=rel, lse_err=lse_err, graph=None)
+                dict(
+                    fmt=fmt,
+                    il=il,
+                    combine=combine,
+                    backend=attn.backend.name,
+                    fuse=fuse,
+                    rel=rel,
+                    lse_err=lse_err,
+                    graph=None,
+                )
             )
             layers.append((attn, x, plan, out))
             torch.save(results, path)
@@ -396,7 +415,7 @@ def test_two_gpus_nccl_layer_matches_oracle():
         for r in res:
             print(f"rank {rank}: {r}")
     for rank, res in enumerate(results):
-        assert len(res) == 4, f"rank {rank} stopped early ({'timed out' if not finished else 'error'}): {res}"
+        assert len(res) == 6, f"rank {rank} stopped early ({'timed out' if not finished else 'error'}): {res}"
         for r in res:
             assert r["rel"] < TOL[torch.bfloat16] and r["lse_err"] < LSE_TOL, r
             assert r["graph"] is True, r

@@ -104,6 +104,8 @@ def query_merge_triton(
     *,
     scale: float,
     out_dtype: torch.dtype,
+    block_h: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal (or tree-masked) attention over the fresh K/V, merged with context states.
 
@@ -113,6 +115,8 @@ def query_merge_triton(
     ctx_o: (K, T, H, Dv) any float dtype; ctx_lse: (K, T, H) float32 — the
         context states to merge (K >= 0).
     returns o (T, H, Dv) out_dtype, lse (T, H) float32.
+    block_h, num_warps: launch shape (heads per program, warps per program);
+        None picks the default (benchmarks/query_merge_sweep.py measures them).
     No host synchronisation; capturable in a CUDA graph.
     """
     t, h, d = q.shape
@@ -124,7 +128,7 @@ def query_merge_triton(
             f"got {tuple(ctx_o.shape)} and {tuple(ctx_lse.shape)}"
         )
     g = h // hk
-    block_h = min(triton.next_power_of_2(g), 16)
+    block_h = min(triton.next_power_of_2(g), block_h or 16)
     nblk = triton.cdiv(g, block_h)
     out = torch.empty((t, h, dv), dtype=out_dtype, device=q.device)
     out_lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
@@ -142,6 +146,6 @@ def query_merge_triton(
             ctx_o.stride(0), ctx_o.stride(1), ctx_o.stride(2), ctx_lse.stride(0), ctx_lse.stride(1), ctx_lse.stride(2),
             out.stride(0), out.stride(1), out_lse.stride(0), out_lse.stride(1),
             HAS_MASK=has_mask, BLOCK_H=block_h, BLOCK_A=triton.next_power_of_2(dv),
-            BLOCK_B=triton.next_power_of_2(max(d - dv, 1)),
+            BLOCK_B=triton.next_power_of_2(max(d - dv, 1)), num_warps=num_warps or 4,
         )  # fmt: skip
     return out, out_lse
