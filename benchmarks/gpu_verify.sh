@@ -2,8 +2,9 @@
 # GPU checks and benchmarks on a 2-GPU machine (nvidia-h200-x2), in two calls of under ten minutes each:
 #   bash benchmarks/gpu_verify.sh correct   # sweep of the fused kernel's launch shape, one- and two-GPU tests,
 #                                           # Triton kernel tests, check, demo and torchrun example over NCCL
-#   bash benchmarks/gpu_verify.sh speed     # bench B=32 (FlashInfer query pass vs fused), DeepSeek-V3 real dims
-#                                           # on 2 GPUs, prefill cost, demo with I=16
+#   bash benchmarks/gpu_verify.sh speed     # sweep + CUDA tests of the fused kernel, bench B=32 (FlashInfer query
+#                                           # pass vs fused), prefill cost, then DeepSeek-V3 real dims on 2 GPUs,
+#                                           # demo with I=16 and check, at once
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
 part=${1:?usage: gpu_verify.sh correct|speed}
@@ -59,18 +60,33 @@ if [ "$part" = correct ]; then
   stamp "torchrun example on 2 GPUs"
   timeout 90 torchrun --nproc-per-node 2 examples/torchrun_dcp_step.py --cuda 2>&1 | grep "rank\|Error" | tail -4
 else
-  stamp "jit warm"
-  jit "mla bfloat16"
+  stamp "jit warm (background) + fused kernel launch-shape sweep on GPU 1"
+  jit "mla bfloat16" "mla float16"
+  CUDA_VISIBLE_DEVICES=1 timeout 120 python3 benchmarks/query_merge_sweep.py --out "$OUT/query_merge_sweep.json"
   for p in "${pids[@]}"; do wait "$p"; done
+  grep -h "ready\|Error" "$OUT/jit.log" | tail -n 2
+  stamp "a fresh process's first layer call, FlashInfer modules already built"
+  timeout 60 python3 benchmarks/jit_warm.py mla bfloat16
+  stamp "fused kernel on CUDA: kernel tests, layer tests against the oracle"
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
+    --timeout 50 2>&1 | grep -v "^SKIPPED" | tail -6
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
+    -k "fused-query and (flashinfer or reference)" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
   stamp "bench: B=32, FlashInfer query pass vs the fused Triton one"
-  timeout 240 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K,128K --q-len 4,8 --heads 16,128 \
-    --backends flashinfer --fused --out "$OUT/bench_fused.json" 2>&1 | tail -45
-  stamp "DeepSeek-V3 (transformers) on 2 GPUs, real attention dims"
-  timeout 150 python3 examples/deepseek_v3_dcp.py --device cuda --world-size 2 --interleave 4 --real-dims \
-    --dtype bfloat16 --max-new-tokens 12 2>&1 | tail -12
+  timeout 200 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K --q-len 4,8 --heads 16,128 \
+    --backends flashinfer --fused --methods twostage,onepass,expand,floor --out "$OUT/bench_fused.json" 2>&1 | tail -40
   stamp "prefill cost: gather KV vs split, 2 GPUs"
-  timeout 120 python3 benchmarks/prefill_cost.py --out "$OUT/prefill_cost.json" 2>&1 | tail -30
-  stamp "demo, I=16"
-  timeout 60 python3 -m twostage_mla demo --world-size 2 --interleave 16 2>&1 | grep -v USDT | tail -12
+  timeout 100 python3 benchmarks/prefill_cost.py --out "$OUT/prefill_cost.json" 2>&1 | tail -30
+  stamp "over NCCL with the fused default: DeepSeek-V3 real dims, demo I=16, check (at once)"
+  timeout 120 python3 examples/deepseek_v3_dcp.py --device cuda --world-size 2 --interleave 4 --real-dims \
+    --dtype bfloat16 --max-new-tokens 12 > "$OUT/deepseek.log" 2>&1 &
+  a=$!
+  timeout 120 python3 -m twostage_mla demo --world-size 2 --interleave 16 > "$OUT/demo_i16.log" 2>&1 &
+  b=$!
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m twostage_mla check > "$OUT/check.log" 2>&1 &
+  c=$!
+  wait "$a"; echo "deepseek rc=$?"; grep -v "Warning\|warn" "$OUT/deepseek.log" | tail -12
+  wait "$b"; echo "demo rc=$?"; grep -v USDT "$OUT/demo_i16.log" | tail -12
+  wait "$c"; echo "check rc=$?"; grep -v skipped "$OUT/check.log" | tail -12
 fi
 stamp done

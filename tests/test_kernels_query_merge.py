@@ -23,7 +23,7 @@ def setup(fmt: str, tree: bool, dtype: torch.dtype):
     mla = hk == 1
     cfg = AttentionConfig(h, d, dv, 4, d**-0.5, hk, "mla" if mla else "gqa")
     step = synthetic.make_step(
-        [0, 5, 9, 2], [3, 1, 16, 6], heads=h, head_dim=d, head_dim_v=dv, kv_heads=hk, mla=mla, tree=tree, seed=2
+        [0, 5, 9, 2, 7], [3, 1, 16, 6, 37], heads=h, head_dim=d, head_dim_v=dv, kv_heads=hk, mla=mla, tree=tree, seed=2
     )
     x = synthetic.rank_inputs(step, DCPLayout(), 4, mla=mla, dtype=dtype, device=DEVICE)
     attn = TwoStageAttention(cfg, DCPLayout(), dtype=dtype, device=DEVICE, backend="reference", fuse_query=False)

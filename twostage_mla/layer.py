@@ -105,9 +105,11 @@ class TwoStageAttention:
         is valid for the plan it was captured with.
     fuse_query: True runs the query pass inside the final merge (one Triton
         kernel, :mod:`twostage_mla.kernels.query_merge`) instead of the
-        backend's own query pass plus a merge; needs CUDA and Triton. Opt-in:
-        exact on an H200 and 4-10 us per layer faster there (one GPU,
-        docs/performance.md), not yet run with N > 1 over NCCL.
+        backend's own query pass plus a merge; needs CUDA and Triton. False
+        never does. None (default): fused wherever that kernel runs, except
+        with capture limits (the kernel reads per-step plan tensors that a
+        graph replayed across steps would not see). Measured on H200 in
+        docs/performance.md.
 
     One instance serves every layer with this config; ``plan`` once per step,
     then call it per layer. Example (one rank, CPU)::
@@ -131,7 +133,7 @@ class TwoStageAttention:
         max_batch_size: int | None = None,
         max_tokens: int | None = None,
         max_pages: int | None = None,
-        fuse_query: bool = False,
+        fuse_query: bool | None = None,
     ) -> None:
         if not isinstance(config, AttentionConfig):
             raise ValueError(f"expected config to be an AttentionConfig, got {type(config).__name__}")
@@ -171,10 +173,15 @@ class TwoStageAttention:
         limits = CaptureLimits(max_batch_size, max_tokens, max_pages)
         self.backend = select_backend(self.spec, backend)(self.spec, limits)
         self.merge = select_merge(self.spec)
-        self.query_merge = select_query_merge(self.spec) if fuse_query else None
-        self.backend.query_pass = self.query_merge is None
-        if fuse_query and self.query_merge is None:
+        if fuse_query not in (None, True, False):
+            raise ValueError(f"expected fuse_query in (None, True, False), got {fuse_query!r}")
+        fused = select_query_merge(self.spec)
+        if fuse_query and fused is None:
             raise ValueError(f"expected fuse_query=False on {self.device}: the fused kernel needs CUDA and Triton")
+        if fuse_query is None:
+            fuse_query = not limits.given
+        self.query_merge = fused if fuse_query else None
+        self.backend.query_pass = self.query_merge is None
 
     def plan(
         self,

@@ -3,9 +3,11 @@
 The query pass is tiny (each token sees at most q_len <= 16 fresh keys of its
 own request), so a stock kernel spends more time launching and tiling than
 computing. Here one program takes one token and a block of heads sharing a KV
-head, walks the request's visible fresh keys with an online softmax, and
-merges the result with the K context states (the N states an all-to-all
-delivered, or the one from ag_rs / N = 1) before writing the output once.
+head. It starts an online softmax from the K context states (the N states an
+all-to-all delivered, or the one from ag_rs / N = 1), continues it over the
+request's visible fresh keys 16 at a time (tensor-core dots), and writes the
+output once. Its time is mostly memory latency, not arithmetic, hence the
+order of its loads.
 
 Same conventions as :mod:`twostage_mla.state`; visible keys are the causal
 prefix of the request, or ``plan.query_mask`` (tree speculation). Runs on
@@ -27,7 +29,8 @@ def _query_merge_kernel(
     scale, G, DV, D, NC, NBLK,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sm_b, sm_q,
     sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, so_t, so_h, sol_t, sol_h,
-    HAS_MASK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_B: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     kvh = tl.program_id(1) // NBLK
@@ -35,63 +38,79 @@ def _query_merge_kernel(
     hmask = g < G
     h = kvh * G + g  # (BLOCK_H,) query heads reading KV head kvh
     da = tl.arange(0, BLOCK_A)  # dims 0 .. Dv-1 (V), of which 0 .. min(D, Dv)-1 also in q and K
-    db = DV + tl.arange(0, BLOCK_B)  # dims Dv .. D-1 (K only: MLA's rope part; none when D <= Dv)
+    db = DV + tl.arange(0, BLOCK_B)  # dims Dv .. D-1 (K only: MLA's rope part)
     amask = da < DV
     qkmask = (da < DV) & (da < D)
     bmask = db < D
 
-    b = tl.load(REQ + t)
-    j = tl.load(OFF + t)
-    start = tl.load(QSL + b)
-    qa = tl.load(Q + t * sq_t + h[:, None] * sq_h + da[None, :], mask=hmask[:, None] & qkmask[None, :], other=0.0)
-    qb = tl.load(Q + t * sq_t + h[:, None] * sq_h + db[None, :], mask=hmask[:, None] & bmask[None, :], other=0.0)
-    qa = qa.to(tl.float32)
-    qb = qb.to(tl.float32)
-
+    # The context states are the online softmax's starting point: (acc, den) relative to exp(m).
+    # Their loads come first so that they overlap the fresh keys' below (the kernel is latency-bound).
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    den = tl.zeros((BLOCK_H,), tl.float32)
+    for c in range(0, NC):
+        m = tl.maximum(m, tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
     acc = tl.zeros((BLOCK_H, BLOCK_A), tl.float32)
-    if HAS_MASK:
-        n_keys = tl.load(QSL + b + 1) - start  # the whole request; the mask picks
-    else:
-        n_keys = j + 1  # causal: keys 0 .. j of the request
-    for i in range(0, n_keys):
-        row = start + i
-        ka = tl.load(K + row * sk_t + kvh * sk_h + da, mask=qkmask, other=0.0).to(tl.float32)
-        kb = tl.load(K + row * sk_t + kvh * sk_h + db, mask=bmask, other=0.0).to(tl.float32)
-        s = (tl.sum(qa * ka[None, :], axis=1) + tl.sum(qb * kb[None, :], axis=1)) * scale
-        if HAS_MASK:
-            s = tl.where(tl.load(MASK + b * sm_b + j * sm_q + i) != 0, s, float("-inf"))
-        m_new = tl.maximum(m, s)
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - safe)
-        p = tl.exp(s - safe)
-        v = tl.load(V + row * sv_t + kvh * sv_h + da, mask=amask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + p[:, None] * v[None, :]
-        den = den * alpha + p
-        m = m_new
-    # Every token sees itself, so den > 0: the query state is (acc / den, m + log den).
-    lse_q = m + tl.log(den)
-
-    top = lse_q
+    den = tl.zeros((BLOCK_H,), tl.float32)
     for c in range(0, NC):
-        top = tl.maximum(top, tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")))
-    w_q = tl.exp(lse_q - top)
-    out = acc * (w_q / den)[:, None]
-    total = w_q
-    for c in range(0, NC):
-        w = tl.exp(tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")) - top)
+        w = tl.exp(tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")) - m_safe)
         o = tl.load(
             CO + c * sco_k + t * sco_t + h[:, None] * sco_h + da[None, :],
             mask=hmask[:, None] & amask[None, :],
             other=0.0,
         ).to(tl.float32)
-        out += tl.where(w[:, None] > 0, o * w[:, None], 0.0)  # an empty state's o may be NaN
-        total += w
-    out = out / total[:, None]
-    omask = hmask[:, None] & amask[None, :]
-    tl.store(OUT + t * so_t + h[:, None] * so_h + da[None, :], out.to(OUT.dtype.element_ty), mask=omask)
-    tl.store(OUT_LSE + t * sol_t + h * sol_h, top + tl.log(total), mask=hmask)
+        acc += tl.where(w[:, None] > 0, o * w[:, None], 0.0)  # an empty state's o may be NaN
+        den += w
+
+    # A request's tokens are contiguous, so token t = start + j sits j rows into its request.
+    j = tl.load(OFF + t)
+    start = t - j
+    if HAS_MASK:
+        b = tl.load(REQ + t)
+        n_keys = tl.load(QSL + b + 1) - start  # the whole request; the mask picks
+    else:
+        n_keys = j + 1  # causal: keys 0 .. j of the request
+    qa = tl.load(Q + t * sq_t + h[:, None] * sq_h + da[None, :], mask=hmask[:, None] & qkmask[None, :], other=0.0)
+    if HAS_B:
+        qb = tl.load(Q + t * sq_t + h[:, None] * sq_h + db[None, :], mask=hmask[:, None] & bmask[None, :], other=0.0)
+    if DOT_F32:
+        qa = qa.to(tl.float32)
+        if HAS_B:
+            qb = qb.to(tl.float32)
+    for n0 in range(0, n_keys, BLOCK_N):
+        i = n0 + tl.arange(0, BLOCK_N)
+        kmask = i < n_keys
+        rows = start + i
+        ka = tl.load(K + rows[:, None] * sk_t + kvh * sk_h + da[None, :], mask=kmask[:, None] & qkmask[None, :],
+                     other=0.0)  # fmt: skip
+        if DOT_F32:
+            ka = ka.to(tl.float32)
+        s = tl.dot(qa, tl.trans(ka), input_precision=PRECISION)
+        if HAS_B:
+            kb = tl.load(K + rows[:, None] * sk_t + kvh * sk_h + db[None, :], mask=kmask[:, None] & bmask[None, :],
+                         other=0.0)  # fmt: skip
+            if DOT_F32:
+                kb = kb.to(tl.float32)
+            s += tl.dot(qb, tl.trans(kb), input_precision=PRECISION)
+        s = s * scale
+        valid = kmask
+        if HAS_MASK:
+            valid = valid & (tl.load(MASK + b * sm_b + j * sm_q + i, mask=kmask, other=0) != 0)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - safe)
+        p = tl.exp(s - safe[:, None])
+        v = tl.load(V + rows[:, None] * sv_t + kvh * sv_h + da[None, :], mask=kmask[:, None] & amask[None, :],
+                    other=0.0)  # fmt: skip
+        if DOT_F32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        den = den * alpha + tl.sum(p, axis=1)
+        m = m_new
+    # Every token sees itself, so den > 0.
+    out = (acc / den[:, None]).to(OUT.dtype.element_ty)
+    tl.store(OUT + t * so_t + h[:, None] * so_h + da[None, :], out, mask=hmask[:, None] & amask[None, :])
+    tl.store(OUT_LSE + t * sol_t + h * sol_h, m + tl.log(den), mask=hmask)
 
 
 def query_merge_triton(
@@ -128,7 +147,8 @@ def query_merge_triton(
             f"got {tuple(ctx_o.shape)} and {tuple(ctx_lse.shape)}"
         )
     g = h // hk
-    block_h = min(triton.next_power_of_2(g), block_h or 16)
+    # tl.dot needs blocks of >= 16 rows and columns: fewer heads or dims are padded (masked).
+    block_h = block_h or 16
     nblk = triton.cdiv(g, block_h)
     out = torch.empty((t, h, dv), dtype=out_dtype, device=q.device)
     out_lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
@@ -145,7 +165,10 @@ def query_merge_triton(
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), sm[0], sm[1],
             ctx_o.stride(0), ctx_o.stride(1), ctx_o.stride(2), ctx_lse.stride(0), ctx_lse.stride(1), ctx_lse.stride(2),
             out.stride(0), out.stride(1), out_lse.stride(0), out_lse.stride(1),
-            HAS_MASK=has_mask, BLOCK_H=block_h, BLOCK_A=triton.next_power_of_2(dv),
-            BLOCK_B=triton.next_power_of_2(max(d - dv, 1)), num_warps=num_warps or 4,
+            HAS_MASK=has_mask, HAS_B=d > dv, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            # Triton's interpreter multiplies bf16 dot operands as raw bits (triton-lang/triton#11584): upcast there.
+            DOT_F32=q.device.type == "cpu",
+            BLOCK_H=block_h, BLOCK_N=16, BLOCK_A=max(16, triton.next_power_of_2(dv)),
+            BLOCK_B=max(16, triton.next_power_of_2(d - dv)), num_warps=num_warps or 4,
         )  # fmt: skip
     return out, out_lse
