@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_verify.sh speed     # sweep + CUDA tests of the fused kernel, bench B=32 (FlashInfer query
 #                                           # pass vs fused), prefill cost, then DeepSeek-V3 real dims on 2 GPUs,
 #                                           # demo with I=16 and check, at once
-# Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
+# With one GPU (nvidia-h200) the speed part stops before what needs two. Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
 part=${1:?usage: gpu_verify.sh correct|speed}
 OUT=${OUT:-/tmp/out}
@@ -13,6 +13,7 @@ mkdir -p "$OUT"
 export MAX_JOBS=16 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TQDM_MININTERVAL=30
 exec > >(tee -a "$OUT/$part.log") 2>&1
 t0=$(date +%s)
+ngpu=$(nvidia-smi -L | wc -l)
 stamp() { echo "=== [$(( $(date +%s) - t0 )) s] $*"; }
 
 stamp install
@@ -60,9 +61,10 @@ if [ "$part" = correct ]; then
   stamp "torchrun example on 2 GPUs"
   timeout 90 torchrun --nproc-per-node 2 examples/torchrun_dcp_step.py --cuda 2>&1 | grep "rank\|Error" | tail -4
 else
-  stamp "jit warm (background) + fused kernel launch-shape sweep on GPU 1"
+  stamp "jit warm (background) + fused kernel launch-shape sweep on the last GPU"
   jit "mla bfloat16" "mla float16"
-  CUDA_VISIBLE_DEVICES=1 timeout 120 python3 benchmarks/query_merge_sweep.py --out "$OUT/query_merge_sweep.json"
+  CUDA_VISIBLE_DEVICES=$((ngpu - 1)) timeout 120 python3 benchmarks/query_merge_sweep.py \
+    --out "$OUT/query_merge_sweep.json"
   for p in "${pids[@]}"; do wait "$p"; done
   grep -h "ready\|Error" "$OUT/jit.log" | tail -n 2
   stamp "a fresh process's first layer call, FlashInfer modules already built"
@@ -75,6 +77,13 @@ else
   stamp "bench: B=32, FlashInfer query pass vs the fused Triton one"
   timeout 200 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K --q-len 4,8 --heads 16,128 \
     --backends flashinfer --fused --methods twostage,onepass,expand,floor --out "$OUT/bench_fused.json" 2>&1 | tail -40
+  if [ "$ngpu" -lt 2 ]; then
+    stamp "one GPU: DeepSeek-V3 real dims with N=1, check"
+    timeout 120 python3 examples/deepseek_v3_dcp.py --device cuda --world-size 1 --real-dims --dtype bfloat16 \
+      --max-new-tokens 12 2>&1 | grep -v "Warning\|warn" | tail -12
+    timeout 120 python3 -m twostage_mla check 2>&1 | grep -v skipped | tail -12
+    stamp done; exit 0
+  fi
   stamp "prefill cost: gather KV vs split, 2 GPUs"
   timeout 100 python3 benchmarks/prefill_cost.py --out "$OUT/prefill_cost.json" 2>&1 | tail -30
   stamp "over NCCL with the fused default: DeepSeek-V3 real dims, demo I=16, check (at once)"
