@@ -74,9 +74,9 @@ else
     --timeout 50 2>&1 | grep -v "^SKIPPED" | tail -6
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
     -k "fused-query and (flashinfer or reference)" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
-  stamp "bench: B=32, FlashInfer query pass vs the fused Triton one"
+  stamp "bench: B=32, the default (fused query pass) vs FlashInfer query pass + merge"
   timeout 200 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K --q-len 4,8 --heads 16,128 \
-    --backends flashinfer --fused --methods twostage,onepass,expand,floor --out "$OUT/bench_fused.json" 2>&1 | tail -40
+    --backends flashinfer --unfused --methods twostage,onepass,expand,floor --out "$OUT/bench_fused.json" 2>&1 | tail -40
   if [ "$ngpu" -lt 2 ]; then
     stamp "one GPU: DeepSeek-V3 real dims with N=1, check"
     timeout 120 python3 examples/deepseek_v3_dcp.py --device cuda --world-size 1 --real-dims --dtype bfloat16 \

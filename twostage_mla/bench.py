@@ -61,9 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-lora-rank", type=int, default=512)
     p.add_argument("--rope-dim", type=int, default=64)
     p.add_argument("--no-graph", action="store_true", help="time eager calls instead of CUDA-graph replays")
-    p.add_argument("--fused", action="store_true",
-                   help="also time each backend with the query pass fused into the merge (fuse_query=True), "
-                        "as backend '<name>-fused'")
+    p.add_argument("--unfused", action="store_true",
+                   help="also time each backend with its own query pass and a separate merge (fuse_query=False), "
+                        "as backend '<name>-unfused'; plain '<name>' is the layer's default")
     p.add_argument("--slow-ms", type=float, default=30.0,
                    help="a backend slower than this at a point is timed with 3 eager calls only")
     p.add_argument("--out", default="benchmarks/results/bench.json")
@@ -273,7 +273,7 @@ def _measure_point(records, meta, args, methods, layers, slow, backends_for, cac
     fns: dict[str, Callable[[], Any]] = {}
     keep: list[Any] = []
     if "twostage" in methods:
-        for name, label, fuse in _variants(backends_for(h), args.fused):
+        for name, label, fuse in _variants(backends_for(h), args.unfused):
             if (label, b, q, h) in slow:
                 continue
             attn = layers.get((label, h))
@@ -301,7 +301,7 @@ def _measure_point(records, meta, args, methods, layers, slow, backends_for, cac
             p2 = other.plan(qsl, seq, seq_table)
             fns["context_sequential_pages"] = lambda: other.backend.context(qx, cache, cache, p2)
     res = time_many(fns, graph=graph, slow_ms=args.slow_ms)
-    for _, name, _fuse in _variants(backends_for(h), args.fused):
+    for _, name, _fuse in _variants(backends_for(h), args.unfused):
         if f"{name}:full" not in res:
             continue
         (full, g1), (ctx, _) = res[f"{name}:full"], res[f"{name}:context"]
@@ -331,10 +331,10 @@ def _twostage_fns(name: str, attn: TwoStageAttention, plan: Any, qx, kx, cache) 
     return fns
 
 
-def _variants(names: list[str], fused: bool) -> list[tuple[str, str, bool]]:
-    """(backend, label, fuse_query) to time: each backend as is, and with the fused query pass if asked."""
-    out = [(n, n, False) for n in names]
-    return out + ([(n, f"{n}-fused", True) for n in names] if fused else [])
+def _variants(names: list[str], unfused: bool) -> list[tuple[str, str, bool | None]]:
+    """(backend, label, fuse_query) to time: each backend with the layer's default, and unfused if asked."""
+    out = [(n, n, None) for n in names]
+    return out + ([(n, f"{n}-unfused", False) for n in names] if unfused else [])
 
 
 def _dump(records: list[dict], path: str) -> None:
@@ -382,7 +382,7 @@ def check_targets(records: list[dict]) -> str:
     idx = _index(records)
     copy = next((r["gbps"] for r in records if r["method"] == "copy"), float("nan"))
     fi = "flashinfer"
-    lines = ["targets (twostage = flashinfer backend, N = 1, CUDA graph):"]
+    lines = ["targets (twostage = flashinfer backend as the layer defaults, N = 1, CUDA graph):"]
 
     def get(m, be, b, c, q, h):
         r = idx.get((m, be, b, c, q, h))
