@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# GPU checks and benchmarks on a 2-GPU machine (nvidia-h200-x2), in two calls of under ten minutes each:
+# GPU checks and benchmarks on a 2-GPU machine (nvidia-h200-x2), in calls of under ten minutes each:
 #   bash benchmarks/gpu_verify.sh correct   # sweep of the fused kernel's launch shape, one- and two-GPU tests,
 #                                           # Triton kernel tests, check, demo and torchrun example over NCCL
 #   bash benchmarks/gpu_verify.sh speed     # sweep + CUDA tests of the fused kernel, bench B=32 (FlashInfer query
 #                                           # pass vs fused), prefill cost, then DeepSeek-V3 real dims on 2 GPUs,
 #                                           # demo with I=16 and check, at once
-# With one GPU (nvidia-h200) the speed part stops before what needs two. Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
+#   bash benchmarks/gpu_verify.sh final     # what those two left: prefill cost, DeepSeek-V3 fp32 over NCCL, demo
+#                                           # with the fused default, remaining fused GPU tests, a short sweep
+# On one GPU (nvidia-h200) speed and final skip what needs two.
+# Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
-part=${1:?usage: gpu_verify.sh correct|speed}
+part=${1:?usage: gpu_verify.sh correct|speed|final}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export MAX_JOBS=16 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TQDM_MININTERVAL=30
@@ -30,7 +33,27 @@ jit() {
   done
 }
 
-if [ "$part" = correct ]; then
+if [ "$part" = final ]; then
+  if [ "$ngpu" -ge 2 ]; then
+    stamp "prefill cost: gather KV vs split, 2 GPUs"
+    timeout 100 python3 benchmarks/prefill_cost.py --out "$OUT/prefill_cost.json" 2>&1 | tail -30
+  fi
+  jit "mla bfloat16" "gqa float16"
+  stamp "DeepSeek-V3 real dims, float32 (torch_efficient + fused query pass), N=$ngpu over NCCL"
+  timeout 150 python3 examples/deepseek_v3_dcp.py --device cuda --world-size "$ngpu" --interleave 4 --real-dims \
+    --dtype float32 --max-new-tokens 12 2>&1 | grep -v "Warning\|warn" | tail -9
+  for p in "${pids[@]}"; do wait "$p"; done
+  if [ "$ngpu" -ge 2 ]; then
+    stamp "demo N=2, I=16, fused query pass (the default) over NCCL"
+    timeout 90 python3 -m twostage_mla demo --world-size 2 --interleave 16 2>&1 | grep -v "USDT\|warn\|func(" | tail -12
+  fi
+  stamp "GPU tests: 128 heads and GQA fp16 with the fused kernel, NaN caches with the default"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
+    -k "mla_128 or nan or (fused-query and gqa and float16)" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
+  stamp "fused kernel launch-shape sweep"
+  timeout 90 python3 benchmarks/query_merge_sweep.py --q-len 4 --block-h 16 32 64 --warps 4 8 \
+    --out "$OUT/query_merge_sweep.json"
+elif [ "$part" = correct ]; then
   stamp "jit warm (background) + fused kernel launch-shape sweep on GPU 1"
   jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
   CUDA_VISIBLE_DEVICES=1 timeout 150 python3 benchmarks/query_merge_sweep.py --out "$OUT/query_merge_sweep.json"

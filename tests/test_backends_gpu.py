@@ -68,7 +68,7 @@ def _serving(cfg: AttentionConfig, dtype: torch.dtype) -> list[str]:
     return [n for n, why in refusals(_spec(cfg, dtype)).items() if not why]
 
 
-def _run(name, cfg, dtype, ctx, ql, *, tree=False, seed=0, limits=None, fuse=False, fill=None):
+def _run(name, cfg, dtype, ctx, ql, *, tree=False, seed=0, limits=None, fuse=None, fill=None):
     fmt_mla = cfg.kv_format == "mla"
     step = synthetic.make_step(
         ctx,
@@ -156,12 +156,13 @@ def test_nan_in_unwritten_cache_slots(name, fmt):
     _check(step, cfg, torch.bfloat16, out, lse, f"{name} with NaN in unwritten slots")
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["backend-query", "fused-query"])
 @pytest.mark.parametrize("name", [n for n in backend_names() if n != "reference"])
-def test_mla_128_heads(name):
+def test_mla_128_heads(name, fuse):
     cfg = _config("mla", 128, 64)
     if name not in _serving(cfg, torch.bfloat16):
         pytest.skip(f"{name} does not serve MLA here")
-    step, x, attn, plan = _run(name, cfg, torch.bfloat16, [0, 100, 1000, 4000], [4, 1, 8, 3], seed=1)
+    step, x, attn, plan = _run(name, cfg, torch.bfloat16, [0, 100, 1000, 4000], [4, 1, 8, 3], seed=1, fuse=fuse)
     out, lse = attn(x.q, x.k, None, x.k_cache, None, plan, return_lse=True)
     _check(step, cfg, torch.bfloat16, out, lse, name)
 
