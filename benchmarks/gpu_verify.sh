@@ -34,24 +34,28 @@ jit() {
 }
 
 if [ "$part" = final ]; then
-  if [ "$ngpu" -ge 2 ]; then
-    stamp "prefill cost: gather KV vs split, 2 GPUs"
-    timeout 100 python3 benchmarks/prefill_cost.py --out "$OUT/prefill_cost.json" 2>&1 | tail -30
-  fi
   jit "mla bfloat16" "gqa float16"
+  stamp "Triton kernel tests on CUDA (FlashInfer builds in the background)"
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
+    --timeout 80 2>&1 | grep -v "^SKIPPED" | tail -6
   stamp "DeepSeek-V3 real dims, float32 (torch_efficient + fused query pass), N=$ngpu over NCCL"
   timeout 150 python3 examples/deepseek_v3_dcp.py --device cuda --world-size "$ngpu" --interleave 4 --real-dims \
     --dtype float32 --max-new-tokens 12 2>&1 | grep -v "Warning\|warn" | tail -9
   for p in "${pids[@]}"; do wait "$p"; done
+  stamp "bench: the default (fused) vs FlashInfer query pass + merge, B=32 Q=4"
+  timeout 120 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K --q-len 4 --heads 16,128 \
+    --backends flashinfer --unfused --methods twostage,onepass --out "$OUT/bench_final.json" 2>&1 | tail -22
   if [ "$ngpu" -ge 2 ]; then
+    stamp "prefill cost: gather KV vs split, 2 GPUs"
+    timeout 100 python3 benchmarks/prefill_cost.py --out "$OUT/prefill_cost.json" 2>&1 | tail -30
     stamp "demo N=2, I=16, fused query pass (the default) over NCCL"
     timeout 90 python3 -m twostage_mla demo --world-size 2 --interleave 16 2>&1 | grep -v "USDT\|warn\|func(" | tail -12
   fi
-  stamp "GPU tests: 128 heads and GQA fp16 with the fused kernel, NaN caches with the default"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-    -k "mla_128 or nan or (fused-query and gqa and float16)" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
+  stamp "GPU tests: fused kernel (MLA, 128 heads, GQA fp16), NaN caches with the default"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
+    -k "mla_128 or nan or (fused-query and (mla or float16))" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
   stamp "fused kernel launch-shape sweep"
-  timeout 90 python3 benchmarks/query_merge_sweep.py --q-len 4 --block-h 16 32 64 --warps 4 8 \
+  timeout 90 python3 benchmarks/query_merge_sweep.py --q-len 4 --block-h 16 32 --warps 4 8 \
     --out "$OUT/query_merge_sweep.json"
 elif [ "$part" = correct ]; then
   stamp "jit warm (background) + fused kernel launch-shape sweep on GPU 1"
