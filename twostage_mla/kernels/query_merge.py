@@ -24,46 +24,12 @@ from twostage_mla.plan import StepPlan
 
 
 @triton.jit
-def _load_keys(K, V, start, n0, n_keys, kvh, sk_t, sk_h, sv_t, sv_h, da, db, qkmask, amask, bmask,
-               HAS_B: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """Fresh keys n0 .. n0 + BLOCK_N - 1 of the request: K's two parts, V, and which exist."""
-    i = n0 + tl.arange(0, BLOCK_N)
-    exists = i < n_keys
-    rows = start + i
-    ka = tl.load(K + rows[:, None] * sk_t + kvh * sk_h + da[None, :], mask=exists[:, None] & qkmask[None, :], other=0.0)
-    kb = ka  # unused without a second part
-    if HAS_B:
-        kb = tl.load(K + rows[:, None] * sk_t + kvh * sk_h + db[None, :], mask=exists[:, None] & bmask[None, :],
-                     other=0.0)  # fmt: skip
-    v = tl.load(V + rows[:, None] * sv_t + kvh * sv_h + da[None, :], mask=exists[:, None] & amask[None, :], other=0.0)
-    if DOT_F32:
-        ka, kb, v = ka.to(tl.float32), kb.to(tl.float32), v.to(tl.float32)
-    return ka, kb, v, i, exists
-
-
-@triton.jit
-def _online_step(m, den, acc, qa, qb, ka, kb, v, visible, scale,
-                 HAS_B: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """One block of keys into the online softmax state (m, den, acc), acc and den relative to exp(m)."""
-    s = tl.dot(qa, tl.trans(ka), input_precision=PRECISION)
-    if HAS_B:
-        s += tl.dot(qb, tl.trans(kb), input_precision=PRECISION)
-    s = tl.where(visible[None, :], s * scale, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m - safe)
-    p = tl.exp(s - safe[:, None])
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, den * alpha + tl.sum(p, axis=1), acc
-
-
-@triton.jit
 def _query_merge_kernel(
     Q, K, V, REQ, OFF, QSL, MASK, CO, CLSE, OUT, OUT_LSE,
-    scale, G, DV, D, NBLK,
+    scale, G, DV, D, NC, NBLK,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sm_b, sm_q,
     sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, so_t, so_h, sol_t, sol_h,
-    NC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_B: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_B: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
@@ -77,33 +43,15 @@ def _query_merge_kernel(
     qkmask = (da < DV) & (da < D)
     bmask = db < D
 
-    # The kernel is bound by memory latency, so every load that does not wait on
-    # another is issued before the first use of any: the token's offset, then q,
-    # the first block of fresh keys and the context states together.
-    j = tl.load(OFF + t)
-    start = t - j  # a request's tokens are contiguous: token t sits j rows into its request
-    if HAS_MASK:
-        b = tl.load(REQ + t)
-        n_keys = tl.load(QSL + b + 1) - start  # the whole request; the mask picks
-    else:
-        n_keys = j + 1  # causal: keys 0 .. j of the request
-    qa = tl.load(Q + t * sq_t + h[:, None] * sq_h + da[None, :], mask=hmask[:, None] & qkmask[None, :], other=0.0)
-    qb = qa  # unused without a second part
-    if HAS_B:
-        qb = tl.load(Q + t * sq_t + h[:, None] * sq_h + db[None, :], mask=hmask[:, None] & bmask[None, :], other=0.0)
-    if DOT_F32:
-        qa, qb = qa.to(tl.float32), qb.to(tl.float32)
-    ka, kb, v, i, visible = _load_keys(K, V, start, 0, n_keys, kvh, sk_t, sk_h, sv_t, sv_h, da, db, qkmask, amask,
-                                       bmask, HAS_B, DOT_F32, BLOCK_N)  # fmt: skip
-
-    # The context states are the online softmax's starting point.
+    # The context states are the online softmax's starting point: (acc, den) relative to exp(m).
+    # Their loads come first so that they overlap the fresh keys' below (the kernel is latency-bound).
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    for c in tl.static_range(NC):
+    for c in range(0, NC):
         m = tl.maximum(m, tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     acc = tl.zeros((BLOCK_H, BLOCK_A), tl.float32)
     den = tl.zeros((BLOCK_H,), tl.float32)
-    for c in tl.static_range(NC):
+    for c in range(0, NC):
         w = tl.exp(tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")) - m_safe)
         o = tl.load(
             CO + c * sco_k + t * sco_t + h[:, None] * sco_h + da[None, :],
@@ -113,16 +61,52 @@ def _query_merge_kernel(
         acc += tl.where(w[:, None] > 0, o * w[:, None], 0.0)  # an empty state's o may be NaN
         den += w
 
-    # Then the fresh keys, 16 at a time (speculative steps need one block; chunked prefill more).
+    # A request's tokens are contiguous, so token t = start + j sits j rows into its request.
+    j = tl.load(OFF + t)
+    start = t - j
     if HAS_MASK:
-        visible = visible & (tl.load(MASK + b * sm_b + j * sm_q + i, mask=visible, other=0) != 0)
-    m, den, acc = _online_step(m, den, acc, qa, qb, ka, kb, v, visible, scale, HAS_B, PRECISION)
-    for n0 in range(BLOCK_N, n_keys, BLOCK_N):
-        ka, kb, v, i, visible = _load_keys(K, V, start, n0, n_keys, kvh, sk_t, sk_h, sv_t, sv_h, da, db, qkmask,
-                                           amask, bmask, HAS_B, DOT_F32, BLOCK_N)  # fmt: skip
+        b = tl.load(REQ + t)
+        n_keys = tl.load(QSL + b + 1) - start  # the whole request; the mask picks
+    else:
+        n_keys = j + 1  # causal: keys 0 .. j of the request
+    qa = tl.load(Q + t * sq_t + h[:, None] * sq_h + da[None, :], mask=hmask[:, None] & qkmask[None, :], other=0.0)
+    if HAS_B:
+        qb = tl.load(Q + t * sq_t + h[:, None] * sq_h + db[None, :], mask=hmask[:, None] & bmask[None, :], other=0.0)
+    if DOT_F32:
+        qa = qa.to(tl.float32)
+        if HAS_B:
+            qb = qb.to(tl.float32)
+    for n0 in range(0, n_keys, BLOCK_N):
+        i = n0 + tl.arange(0, BLOCK_N)
+        kmask = i < n_keys
+        rows = start + i
+        ka = tl.load(K + rows[:, None] * sk_t + kvh * sk_h + da[None, :], mask=kmask[:, None] & qkmask[None, :],
+                     other=0.0)  # fmt: skip
+        if DOT_F32:
+            ka = ka.to(tl.float32)
+        s = tl.dot(qa, tl.trans(ka), input_precision=PRECISION)
+        if HAS_B:
+            kb = tl.load(K + rows[:, None] * sk_t + kvh * sk_h + db[None, :], mask=kmask[:, None] & bmask[None, :],
+                         other=0.0)  # fmt: skip
+            if DOT_F32:
+                kb = kb.to(tl.float32)
+            s += tl.dot(qb, tl.trans(kb), input_precision=PRECISION)
+        s = s * scale
+        valid = kmask
         if HAS_MASK:
-            visible = visible & (tl.load(MASK + b * sm_b + j * sm_q + i, mask=visible, other=0) != 0)
-        m, den, acc = _online_step(m, den, acc, qa, qb, ka, kb, v, visible, scale, HAS_B, PRECISION)
+            valid = valid & (tl.load(MASK + b * sm_b + j * sm_q + i, mask=kmask, other=0) != 0)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - safe)
+        p = tl.exp(s - safe[:, None])
+        v = tl.load(V + rows[:, None] * sv_t + kvh * sv_h + da[None, :], mask=kmask[:, None] & amask[None, :],
+                    other=0.0)  # fmt: skip
+        if DOT_F32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        den = den * alpha + tl.sum(p, axis=1)
+        m = m_new
     # Every token sees itself, so den > 0.
     out = (acc / den[:, None]).to(OUT.dtype.element_ty)
     tl.store(OUT + t * so_t + h[:, None] * so_h + da[None, :], out, mask=hmask[:, None] & amask[None, :])
@@ -177,12 +161,11 @@ def query_merge_triton(
     if t:
         _query_merge_kernel[(t, hk * nblk)](
             q, k, v, plan.token_request, plan.token_offset, plan.query_start_loc, mask, ctx_o, ctx_lse, out, out_lse,
-            scale, g, dv, d, nblk,
+            scale, g, dv, d, ctx_o.shape[0], nblk,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), sm[0], sm[1],
             ctx_o.stride(0), ctx_o.stride(1), ctx_o.stride(2), ctx_lse.stride(0), ctx_lse.stride(1), ctx_lse.stride(2),
             out.stride(0), out.stride(1), out_lse.stride(0), out_lse.stride(1),
-            NC=ctx_o.shape[0], HAS_MASK=has_mask, HAS_B=d > dv,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            HAS_MASK=has_mask, HAS_B=d > dv, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             # Triton's interpreter multiplies bf16 dot operands as raw bits (triton-lang/triton#11584): upcast there.
             DOT_F32=q.device.type == "cpu",
             BLOCK_H=block_h, BLOCK_N=16, BLOCK_A=max(16, triton.next_power_of_2(dv)),
