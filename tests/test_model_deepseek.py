@@ -48,21 +48,8 @@ def setup():
 
 def test_softmax_scale_is_the_models():
     # DeepSeek-V3's real attention dimensions and yarn parameters: 192 ** -0.5 * mscale ** 2.
-    cfg = ex.tiny_config(
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=10000.0,
-            factor=40.0,
-            original_max_position_embeddings=4096,
-            mscale=1.0,
-            mscale_all_dim=1.0,
-            beta_fast=32,
-            beta_slow=1,
-        ),
-        max_position_embeddings=163840,
-    )
+    cfg = ex.tiny_config(**ex.REAL_DIMS)
+    assert (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.rope_parameters["factor"]) == (128, 64, 40.0)
     mscale = 0.1 * math.log(40.0) + 1.0
     assert mla_dcp.softmax_scale(cfg) == pytest.approx(192**-0.5 * mscale**2, rel=1e-12)
     assert mla_dcp.softmax_scale(cfg) == pytest.approx(0.13523, abs=1e-5)
