@@ -69,7 +69,7 @@ def test_fuse_query_needs_cuda():
     if DEVICE == "cuda":
         pytest.skip("CUDA present")
     cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
-    with pytest.raises(ValueError, match=r"fuse_query=False on cpu: the fused kernel needs CUDA"):
+    with pytest.raises(ValueError, match=r"fuse_query=False on cpu with torch.float32: the fused kernel needs CUDA"):
         TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32, fuse_query=True)
 
 

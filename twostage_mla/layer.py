@@ -105,7 +105,8 @@ class TwoStageAttention:
         is valid for the plan it was captured with.
     fuse_query: True runs the query pass inside the final merge (one Triton
         kernel, :mod:`twostage_mla.kernels.query_merge`) instead of the
-        backend's own query pass plus a merge; needs CUDA and Triton. False
+        backend's own query pass plus a merge; needs CUDA, Triton and bf16
+        or fp16. False
         never does. None (default): fused wherever that kernel runs, except
         with capture limits (the kernel reads per-step plan tensors that a
         graph replayed across steps would not see). Measured on H200 in
@@ -177,7 +178,10 @@ class TwoStageAttention:
             raise ValueError(f"expected fuse_query in (None, True, False), got {fuse_query!r}")
         fused = select_query_merge(self.spec)
         if fuse_query and fused is None:
-            raise ValueError(f"expected fuse_query=False on {self.device}: the fused kernel needs CUDA and Triton")
+            raise ValueError(
+                f"expected fuse_query=False on {self.device} with {dtype}: the fused kernel needs CUDA, Triton "
+                "and bf16 or fp16"
+            )
         if fuse_query is None:
             fuse_query = not limits.given
         self.query_merge = fused if fuse_query else None

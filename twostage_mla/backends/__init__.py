@@ -88,11 +88,16 @@ def select_merge(spec: AttentionSpec) -> MergeFn:
 def select_query_merge(spec: AttentionSpec) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """The query pass fused into the final merge, where there is a kernel for it, else None.
 
-    Triton on CUDA: (q, k, v, plan, ctx_o (K, T, H, Dv), ctx_lse (K, T, H), *,
+    Triton on CUDA in bf16 or fp16: (q, k, v, plan, ctx_o (K, T, H, Dv), ctx_lse (K, T, H), *,
     scale, out_dtype) -> (o, lse); replaces the backend's query pass and the
     last merge (see :mod:`twostage_mla.kernels.query_merge`).
     """
-    if spec.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+    # bf16/fp16 only: those ran on GPUs (docs/performance.md); float32 runs only under the interpreter.
+    if (
+        spec.device.type == "cuda"
+        and spec.dtype in (torch.bfloat16, torch.float16)
+        and importlib.util.find_spec("triton") is not None
+    ):
         from twostage_mla.kernels.query_merge import query_merge_triton
 
         return query_merge_triton
