@@ -5,8 +5,8 @@
 #   bash benchmarks/gpu_verify.sh speed     # sweep + CUDA tests of the fused kernel, bench B=32 (FlashInfer query
 #                                           # pass vs fused), prefill cost, then DeepSeek-V3 real dims on 2 GPUs,
 #                                           # demo with I=16 and check, at once
-#   bash benchmarks/gpu_verify.sh final     # what those two left: prefill cost, DeepSeek-V3 fp32 over NCCL, demo
-#                                           # with the fused default, remaining fused GPU tests, a short sweep
+#   bash benchmarks/gpu_verify.sh final     # what those two left: DeepSeek-V3 fp32/bf16 over NCCL, the fused kernel's
+#                                           # GPU tests (one GPU, and two over NCCL), demo with the fused default
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
@@ -38,25 +38,26 @@ if [ "$part" = final ]; then
   stamp "Triton kernel tests on CUDA (FlashInfer builds in the background)"
   timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
     --timeout 80 2>&1 | grep -v "^SKIPPED" | tail -6
-  stamp "DeepSeek-V3 real dims, float32 (torch_efficient + fused query pass), N=$ngpu over NCCL"
-  timeout 150 python3 examples/deepseek_v3_dcp.py --device cuda --world-size "$ngpu" --interleave 4 --real-dims \
-    --dtype float32 --max-new-tokens 12 2>&1 | grep -v "Warning\|warn" | tail -9
   for p in "${pids[@]}"; do wait "$p"; done
-  stamp "bench: the default (fused) vs FlashInfer query pass + merge, B=32 Q=4"
-  timeout 120 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K --q-len 4 --heads 16,128 \
-    --backends flashinfer --unfused --methods twostage,onepass --out "$OUT/bench_final.json" 2>&1 | tail -22
+  for dt in float32 bfloat16; do  # float32: tokens equal transformers'; bf16: flashinfer + the fused query pass
+    stamp "DeepSeek-V3 real dims, $dt, N=$ngpu over NCCL"
+    timeout 150 python3 examples/deepseek_v3_dcp.py --device cuda --world-size "$ngpu" --interleave 4 --real-dims \
+      --dtype $dt --max-new-tokens 12 2>&1 | grep -v "Warning\|warn" | tail -9
+  done
   if [ "$ngpu" -ge 2 ]; then
-    stamp "prefill cost: gather KV vs split, 2 GPUs"
-    timeout 100 python3 benchmarks/prefill_cost.py --out "$OUT/prefill_cost.json" 2>&1 | tail -30
+    stamp "two-GPU NCCL test (fused kernel after a2a and ag_rs; background) + one-GPU tests"
+    timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_backends_gpu.py -k two_gpus --timeout 290 \
+      > "$OUT/two_gpus.log" 2>&1 &
+    two=$!
+  fi
+  timeout 250 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
+    -k "mla_128 or nan or (fused-query and (mla or float16))" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
+  if [ "$ngpu" -ge 2 ]; then
+    wait "$two"
+    grep "rank .: \|passed\|failed\|Error\|assert" "$OUT/two_gpus.log" | tail -14
     stamp "demo N=2, I=16, fused query pass (the default) over NCCL"
     timeout 90 python3 -m twostage_mla demo --world-size 2 --interleave 16 2>&1 | grep -v "USDT\|warn\|func(" | tail -12
   fi
-  stamp "GPU tests: fused kernel (MLA, 128 heads, GQA fp16), NaN caches with the default"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-    -k "mla_128 or nan or (fused-query and (mla or float16))" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
-  stamp "fused kernel launch-shape sweep"
-  timeout 90 python3 benchmarks/query_merge_sweep.py --q-len 4 --block-h 16 32 --warps 4 8 \
-    --out "$OUT/query_merge_sweep.json"
 elif [ "$part" = correct ]; then
   stamp "jit warm (background) + fused kernel launch-shape sweep on GPU 1"
   jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
