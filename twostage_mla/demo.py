@@ -144,6 +144,9 @@ def _worker(rank: int, a: DemoArgs, device: str, init: str, out_path: str) -> No
                 "phase_us": {k: phases.get(k, 0.0) for k in PHASES},
             }
             torch.save(result, out_path)
+        # No rank tears its group down while another is still in a collective: with gloo
+        # that sometimes aborted a rank ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
