@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from twostage_mla.layout import DCPLayout, kv_slots, local_index, local_len, owner
+from twostage_mla.layout import DCPLayout, kv_slots, local_index, local_len, local_pages, owner
 
 
 def brute(n_ranks: int, il: int, length: int):
@@ -27,6 +27,9 @@ def test_formulas_match_brute_force(n_ranks, il):
         for r in range(n_ranks):
             assert local_len(L, n_ranks, il, r) == counts[r]  # python ints
             assert local_len(lens, n_ranks, il, r)[r].item() == counts[r]  # tensors
+            for page in (1, il, 3 * il):
+                assert local_pages(L, n_ranks, il, r, page) == -(-counts[r] // page)
+                assert local_pages(L, n_ranks, il, r, page) <= local_pages(L, n_ranks, il, 0, page)  # rank 0 most
 
 
 def test_worked_example_from_docstring():

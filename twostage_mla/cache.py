@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from twostage_mla.layout import DCPLayout, kv_slots, local_len
+from twostage_mla.layout import DCPLayout, kv_slots, local_pages
 
 
 def build_shard(
@@ -35,9 +35,9 @@ def build_shard(
     """
     n, r, i = layout.world_size, layout.rank, layout.interleave
     sl = seq_lens.tolist()
-    pages = [-(-local_len(s, n, i, r) // page_size) for s in sl]
+    pages = [local_pages(s, n, i, r, page_size) for s in sl]
     # Every rank's table is as wide as rank 0 needs (the most), as plan_step asks.
-    width = max(max((-(-local_len(s, n, i, 0) // page_size) for s in sl), default=0), 1)
+    width = max(max((local_pages(s, n, i, 0, page_size) for s in sl), default=0), 1)
     total = max(sum(pages) + extra_pages, 1)  # a kernel needs at least one page to point at
     order = torch.randperm(total, generator=generator) if generator is not None else torch.arange(total)
     block_table = torch.zeros(len(sl), width, dtype=torch.int32)

@@ -71,6 +71,15 @@ def local_len(length: IntLike, world_size: int, interleave: int, rank: int) -> I
     return full * interleave + rest
 
 
+def local_pages(length: int, world_size: int, interleave: int, rank: int, page_size: int) -> int:
+    """Pages rank ``rank`` needs for a request of ``length`` tokens: ceil(local_len / page_size).
+
+    Rank 0 needs the most of any rank, which is why block tables and capture
+    limits are sized and checked against ``rank=0`` on every rank.
+    """
+    return -(-local_len(length, world_size, interleave, rank) // page_size)
+
+
 def kv_slots(
     positions: torch.Tensor,
     request: torch.Tensor,

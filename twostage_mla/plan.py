@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from twostage_mla.layout import DCPLayout, kv_slots, local_len
+from twostage_mla.layout import DCPLayout, kv_slots, local_len, local_pages
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ def plan_step(
     # Width is checked against rank 0's need (the largest of any rank), so a
     # table too narrow for some rank is refused on every rank alike: no rank
     # goes on into a collective that another rank will never reach.
-    need = [-(-local_len(s, n, il, 0) // page_size) for s in sl]
+    need = [local_pages(s, n, il, 0, page_size) for s in sl]
     if b and max(need) > bt.shape[1]:
         i = need.index(max(need))
         raise ValueError(
@@ -165,7 +165,7 @@ def plan_step(
             f"{bt.shape[1]}: request {i} keeps up to local_len(seq_len={sl[i]}) = "
             f"{local_len(sl[i], n, il, 0)} tokens on a rank at page_size {page_size}"
         )
-    mine = [-(-local_len(s, n, il, r) // page_size) for s in sl]
+    mine = [local_pages(s, n, il, r, page_size) for s in sl]
     used = torch.arange(bt.shape[1], device=bt.device)[None, :] < torch.tensor(mine, device=bt.device)[:, None]
     if bool((bt < 0).logical_and(used).any()):
         b_bad = int((bt < 0).logical_and(used).any(dim=1).nonzero()[0])

@@ -44,7 +44,7 @@ from twostage_mla.backends._paged import (
     page_lists,
 )
 from twostage_mla.backends.base import AttentionBackend, AttentionSpec, CaptureLimits, State
-from twostage_mla.layout import local_len
+from twostage_mla.layout import local_pages
 from twostage_mla.plan import StepPlan
 
 _WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial states)
@@ -58,7 +58,7 @@ def _pages_on_rank0(plan: StepPlan) -> int:
     a collective).
     """
     n, i = plan.layout.world_size, plan.layout.interleave
-    return sum(-(-local_len(c, n, i, 0) // plan.page_size) for c in plan.context_lens.tolist())
+    return sum(local_pages(c, n, i, 0, plan.page_size) for c in plan.context_lens.tolist())
 
 
 def _flashinfer() -> Any:
