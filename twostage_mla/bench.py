@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from twostage_mla.backends import AttentionSpec, refusals
+from twostage_mla.backends._paged import page_lists
 from twostage_mla.layer import AttentionConfig, TwoStageAttention
 from twostage_mla.layout import DCPLayout
 
@@ -165,11 +166,7 @@ class _MLACall:
         import flashinfer
 
         ps = cache.shape[1]
-        npages = (kv_lens.long() + ps - 1) // ps
-        kv_indptr = torch.zeros(len(kv_lens) + 1, dtype=torch.int32, device=q.device)
-        kv_indptr[1:] = npages.cumsum(0)
-        keep = torch.arange(pages.shape[1], device=q.device)[None] < npages[:, None]
-        indices = pages[keep].to(torch.int32)
+        kv_indptr, indices = page_lists(pages, kv_lens, ps)
         self.ws = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
         self.w = flashinfer.mla.BatchMLAPagedAttentionWrapper(self.ws)
         self.w.plan(qo_indptr, kv_indptr, indices, kv_lens.to(torch.int32), q.shape[1], dv, q.shape[2] - dv, ps,

@@ -21,30 +21,36 @@ from twostage_mla.plan import StepPlan
 LN2 = math.log(2.0)  # FlashInfer's prefill kernels return log2; multiply to get natural log
 
 
-def page_lists(plan: StepPlan, lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """CSR page list of each request's first ``lens[b]`` local slots.
+def page_lists(block_table: torch.Tensor, lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR page list of each request's first ``lens[b]`` slots.
 
-    lens: (B,) int32 on the plan's device (default plan.local_context_lens).
+    block_table: (B, max_pages) int32; lens: (B,) int on its device.
     returns page_indptr (B+1,) int32, page_indices (max(P_used, 1),) int32.
     The indices hold one extra 0 when no page is used, so kernels that take a
     pointer to them never see an empty tensor (page 0 exists in any cache).
     """
-    lens = plan.local_context_lens if lens is None else lens
-    ps = plan.page_size
-    npages = (lens.long() + ps - 1) // ps  # (B,)
-    indptr = torch.zeros(plan.batch_size + 1, dtype=torch.int32, device=lens.device)
+    npages = (lens.long() + page_size - 1) // page_size  # (B,)
+    indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=lens.device)
     indptr[1:] = npages.cumsum(0).to(torch.int32)
-    cols = torch.arange(plan.block_table.shape[1], device=lens.device)
+    cols = torch.arange(block_table.shape[1], device=lens.device)
     keep = cols[None, :] < npages[:, None]  # (B, max_pages), row-major = request order
-    indices = plan.block_table[keep].to(torch.int32)
+    indices = block_table[keep].to(torch.int32)
     if indices.numel() == 0:
         indices = torch.zeros(1, dtype=torch.int32, device=lens.device)
     return indptr, indices
 
 
-def last_page_lens(plan: StepPlan, lens: torch.Tensor | None = None) -> torch.Tensor:
-    """(B,) int32: tokens in each request's last used page (0 for a request with none)."""
-    lens = (plan.local_context_lens if lens is None else lens).long()
+def key_indptr(plan: StepPlan) -> torch.Tensor:
+    """(B+1,) int32 cumulative local context lengths (varlen kernels' cu_seqlens_k)."""
+    lens = plan.local_context_lens
+    indptr = torch.zeros(plan.batch_size + 1, dtype=torch.int32, device=lens.device)
+    indptr[1:] = lens.cumsum(0)
+    return indptr
+
+
+def last_page_lens(plan: StepPlan) -> torch.Tensor:
+    """(B,) int32: tokens in each request's last used local page (0 for a request with none)."""
+    lens = plan.local_context_lens.long()
     ps = plan.page_size
     return torch.where(lens > 0, (lens - 1) % ps + 1, 0).to(torch.int32)
 
@@ -59,14 +65,13 @@ def gather_slots(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, int]:
     """
     lens = plan.local_context_lens.long()
     dev = lens.device
-    indptr = torch.zeros(plan.batch_size + 1, dtype=torch.int64, device=dev)
-    indptr[1:] = lens.cumsum(0)
+    indptr = key_indptr(plan)
     total = int(indptr[-1])  # host sync: fine, this is plan time
     req = torch.repeat_interleave(torch.arange(plan.batch_size, device=dev), lens, output_size=total)
-    li = torch.arange(total, device=dev) - indptr[req]
+    li = torch.arange(total, device=dev) - indptr.long()[req]
     ps = plan.page_size
     slots = plan.block_table.long()[req, li // ps] * ps + li % ps
-    return slots, indptr.to(torch.int32), total
+    return slots, indptr, total
 
 
 def empty_context_rows(plan: StepPlan) -> torch.Tensor | None:
@@ -112,6 +117,3 @@ def lse_heads_major(lse: torch.Tensor, num_tokens: int, num_heads: int) -> torch
         )
     return lse.float().transpose(0, 1).contiguous()  # merge kernels may want row-major
 
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from twostage_mla.backends._paged import empty_context_rows, empty_state, mask_empty_rows
+from twostage_mla.backends._paged import empty_context_rows, empty_state, key_indptr, lse_heads_major, mask_empty_rows
 from twostage_mla.backends.base import AttentionBackend, AttentionSpec, State
 from twostage_mla.plan import StepPlan
 
@@ -49,9 +49,7 @@ class FlashAttnState:
 def _lse_tokens(lse: torch.Tensor, plan: StepPlan, h: int) -> torch.Tensor:
     """Kernel lse, (H, T) or the older padded (B, H, max_q), as (T, H) float32."""
     if lse.dim() == 2:
-        if lse.shape != (h, plan.num_tokens):
-            raise ValueError(f"expected lse of shape (H, T) = ({h}, {plan.num_tokens}), got {tuple(lse.shape)}")
-        return lse.float().transpose(0, 1).contiguous()
+        return lse_heads_major(lse, plan.num_tokens, h)
     return lse[plan.token_request, :, plan.token_offset].float()
 
 
@@ -77,10 +75,7 @@ class _FlashAttnBase(AttentionBackend):
     def plan(self, plan: StepPlan) -> FlashAttnState:
         """Key offsets and empty rows (host sync)."""
         self._lib()  # import now, not inside a graph capture
-        lens = plan.local_context_lens
-        indptr = torch.zeros(plan.batch_size + 1, dtype=torch.int32, device=lens.device)
-        indptr[1:] = lens.cumsum(0)
-        return FlashAttnState(indptr, plan.max_local_context_len, empty_context_rows(plan))
+        return FlashAttnState(key_indptr(plan), plan.max_local_context_len, empty_context_rows(plan))
 
     def _state(self, plan: StepPlan) -> FlashAttnState:
         return self._plan_state(plan, FlashAttnState)

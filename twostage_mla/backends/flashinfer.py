@@ -183,7 +183,7 @@ class FlashInferBackend(AttentionBackend):
         s = self.spec
         dt, scale = s.dtype, s.scale
         qsl = plan.query_start_loc
-        page_indptr, page_indices = page_lists(plan)
+        page_indptr, page_indices = page_lists(plan.block_table, plan.local_context_lens, plan.page_size)
         w = self._wrappers_for(plan, _pages_on_rank0(plan))
         # Tree masks take the base class's dense query pass: no query kernel to plan then.
         plan_query = plan.query_mask is None and self.query_pass

@@ -51,8 +51,6 @@ class TorchEfficientState:
     row_req: torch.Tensor  # (T*G,) int64 request of each folded row
     row_off: torch.Tensor  # (T*G,) int64 row index within its request
     empty_rows: torch.Tensor | None  # (T, 1) bool
-    q_req: torch.Tensor  # (T,) int64 request of each token (query-pass lse)
-    q_off: torch.Tensor  # (T,) int64 token index within its request
 
 
 class TorchEfficientBackend(AttentionBackend):
@@ -95,7 +93,6 @@ class TorchEfficientBackend(AttentionBackend):
             slots=slots, cu_k=cu_k, max_k=plan.max_local_context_len,
             cu_q_folded=(plan.query_start_loc * g).to(torch.int32), row_req=row_req, row_off=row_off,
             empty_rows=empty_context_rows(plan),
-            q_req=plan.token_request, q_off=plan.token_offset,
         )
 
     def _state(self, plan: StepPlan) -> TorchEfficientState:
@@ -126,7 +123,6 @@ class TorchEfficientBackend(AttentionBackend):
 
     def _query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
         """Causal pass over the fresh K/V: q (T, H, D) -> o (T, H, Dv), lse (T, H) float32. Graph-capturable."""
-        st = self._state(plan)
         h = q.shape[1]
         # Query head i reads KV head i // G. The kernel wants as many K/V heads as
         # query heads: repeat them (T*H rows of fresh K/V, a few MB at most).
@@ -136,4 +132,4 @@ class TorchEfficientBackend(AttentionBackend):
         o, lse, *_ = _efficient_attention_forward(
             q[None], kx[None], vx[None], None, qsl, qsl, plan.max_q_len, plan.max_q_len, 0.0, _CAUSAL_TOP_LEFT, True,
             scale=self.spec.scale)
-        return o[0], lse[st.q_req, :, st.q_off]
+        return o[0], lse[plan.token_request, :, plan.token_offset]

@@ -24,6 +24,7 @@ from twostage_mla.backends._paged import (
     empty_context_rows,
     empty_state,
     gather_slots,
+    key_indptr,
     lse_heads_major,
     mask_empty_rows,
 )
@@ -83,11 +84,10 @@ class TorchFlashBackend(AttentionBackend):
 
     def plan(self, plan: StepPlan) -> TorchFlashState:
         """Gather index (if needed), key offsets, empty rows (host sync)."""
-        lens = plan.local_context_lens
-        indptr = torch.zeros(plan.batch_size + 1, dtype=torch.int32, device=lens.device)
-        indptr[1:] = lens.cumsum(0)
         slots = None if self._paged_ok else gather_slots(plan)[0]
-        return TorchFlashState(self._paged_ok, slots, indptr, plan.max_local_context_len, empty_context_rows(plan))
+        return TorchFlashState(
+            self._paged_ok, slots, key_indptr(plan), plan.max_local_context_len, empty_context_rows(plan)
+        )
 
     def _state(self, plan: StepPlan) -> TorchFlashState:
         return self._plan_state(plan, TorchFlashState)

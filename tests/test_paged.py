@@ -1,0 +1,30 @@
+"""Plan-time helpers of the fast backends, on the worked example of their module docstring."""
+
+import torch
+
+from twostage_mla.backends._paged import gather_slots, key_indptr, last_page_lens, page_lists
+from twostage_mla.layout import DCPLayout
+from twostage_mla.plan import plan_step
+
+
+def _plan():
+    # page_size 4, local context lengths 6, 0, 3 (one new token each, one rank)
+    bt = torch.tensor([[7, 2, 9], [5, 0, 0], [3, 1, 0]], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    return plan_step(qsl, torch.tensor([7, 1, 4], dtype=torch.int32), bt, page_size=4, layout=DCPLayout())
+
+
+def test_worked_example():
+    plan = _plan()
+    indptr, indices = page_lists(plan.block_table, plan.local_context_lens, plan.page_size)
+    assert indptr.tolist() == [0, 2, 2, 3] and indices.tolist() == [7, 2, 3]
+    assert key_indptr(plan).tolist() == [0, 6, 6, 9]
+    assert last_page_lens(plan).tolist() == [2, 0, 3]
+    slots, kptr, total = gather_slots(plan)
+    assert slots.tolist() == [28, 29, 30, 31, 8, 9, 12, 13, 14] and kptr.tolist() == [0, 6, 6, 9] and total == 9
+
+
+def test_no_pages_used_still_gives_one_index():
+    bt = torch.zeros(2, 1, dtype=torch.int32)
+    indptr, indices = page_lists(bt, torch.zeros(2, dtype=torch.int32), 4)
+    assert indptr.tolist() == [0, 0, 0] and indices.tolist() == [0]
