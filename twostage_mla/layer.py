@@ -106,11 +106,10 @@ class TwoStageAttention:
     fuse_query: True runs the query pass inside the final merge (one Triton
         kernel, :mod:`twostage_mla.kernels.query_merge`) instead of the
         backend's own query pass plus a merge; needs CUDA, Triton and bf16
-        or fp16. False
-        never does. None (default): fused wherever that kernel runs, except
-        with capture limits (the kernel reads per-step plan tensors that a
-        graph replayed across steps would not see). Measured on H200 in
-        docs/performance.md.
+        or fp16. False never does. None (default): fused wherever that kernel
+        runs, except with capture limits (the kernel reads per-step plan
+        tensors that a graph replayed across steps would not see). Measured
+        on H200 in docs/performance.md.
 
     One instance serves every layer with this config; ``plan`` once per step,
     then call it per layer. Example (one rank, CPU)::

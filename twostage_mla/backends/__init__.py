@@ -70,6 +70,10 @@ def select_backend(spec: AttentionSpec, name: str = "auto") -> type[AttentionBac
     raise ValueError(f"{what} {spec.summary()}:\n{lines}")
 
 
+def _triton_on_cuda(spec: AttentionSpec) -> bool:
+    """Whether this library's Triton kernels can run for ``spec`` (a CUDA device, Triton installed)."""
+    return spec.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
 
 def select_merge(spec: AttentionSpec) -> MergeFn:
     """The state-merge implementation for ``spec``'s device, chosen once per layer.
@@ -78,7 +82,7 @@ def select_merge(spec: AttentionSpec) -> MergeFn:
     maths of :func:`twostage_mla.state.merge_states`. Both take
     (o (K, T, H, Dv), lse (K, T, H), *, out_dtype, extra) -> (o, lse).
     """
-    if spec.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+    if _triton_on_cuda(spec):
         from twostage_mla.kernels.merge import merge_states_triton
 
         return merge_states_triton
@@ -93,11 +97,7 @@ def select_query_merge(spec: AttentionSpec) -> Callable[..., tuple[torch.Tensor,
     last merge (see :mod:`twostage_mla.kernels.query_merge`).
     """
     # bf16/fp16 only: those ran on GPUs (docs/performance.md); float32 runs only under the interpreter.
-    if (
-        spec.device.type == "cuda"
-        and spec.dtype in (torch.bfloat16, torch.float16)
-        and importlib.util.find_spec("triton") is not None
-    ):
+    if _triton_on_cuda(spec) and spec.dtype in (torch.bfloat16, torch.float16):
         from twostage_mla.kernels.query_merge import query_merge_triton
 
         return query_merge_triton
