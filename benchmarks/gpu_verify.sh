@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_verify.sh speed     # sweep + CUDA tests of the fused kernel, bench B=32 (FlashInfer query
 #                                           # pass vs fused), prefill cost, then DeepSeek-V3 real dims on 2 GPUs,
 #                                           # demo with I=16 and check, at once
-#   bash benchmarks/gpu_verify.sh final     # what those two left: DeepSeek-V3 fp32/bf16 over NCCL, the fused kernel's
+#   bash benchmarks/gpu_verify.sh final     # what those two left: DeepSeek-V3 fp32/bf16 over NCCL, prefill cost
+#                                           # under CUDA graphs, the fused kernel's
 #                                           # GPU tests (one GPU, and two over NCCL), demo with the fused default
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
@@ -45,6 +46,9 @@ if [ "$part" = final ]; then
       --dtype $dt --max-new-tokens 12 2>&1 | grep -v "Warning\|warn" | tail -9
   done
   if [ "$ngpu" -ge 2 ]; then
+    stamp "prefill cost under CUDA graphs: gather KV vs split, 2 GPUs"
+    timeout 120 python3 benchmarks/prefill_cost.py --graph --tokens 16 64 256 1024 4096 \
+      --out "$OUT/prefill_cost_graph.json" 2>&1 | tail -34
     stamp "two-GPU NCCL test (fused kernel after a2a and ag_rs; background) + one-GPU tests"
     timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_backends_gpu.py -k two_gpus --timeout 290 \
       > "$OUT/two_gpus.log" 2>&1 &

@@ -21,6 +21,8 @@ buffer; packing the paged shard before and reordering after cost extra
 copies there, so its figure is a lower bound.
 
     python benchmarks/prefill_cost.py                      # 2 GPUs, NCCL, bf16
+    python benchmarks/prefill_cost.py --graph              # each method captured in a CUDA graph and replayed:
+                                                           # no host time, what a graphed decode step pays
     python benchmarks/prefill_cost.py --device cpu --tokens 4 16 --contexts 1024 8192 \\
         --heads-per-rank 2 --iters 3 --warmup 1            # smoke test: gloo on CPUs
 
@@ -88,6 +90,20 @@ def _timer(device: torch.device, group, iters: int, warmup: int):
     return run
 
 
+def _graphed(fn, device: torch.device):
+    """fn captured in a CUDA graph; returns its replay (and keeps the graph alive through the closure)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up outside capture: NCCL sets up its channels on first use
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def _exchange_a2a(o, lse, group):
     # The layer's a2a step: one all-to-all of (o, lse); the merge is fused into the final merge.
     if hasattr(comm, "exchange_a2a"):
@@ -124,7 +140,10 @@ def _worker(rank: int, a: argparse.Namespace, init: str, out_path: str) -> None:
     dtype = getattr(torch, a.dtype)
     e = torch.empty((), dtype=dtype).element_size()
     d, dv = a.kv_lora_rank + a.rope_dim, a.kv_lora_rank
-    timer = _timer(device, group, a.iters, a.warmup)
+    eager_timer = _timer(device, group, a.iters, a.warmup)
+
+    def timer(fn) -> float:
+        return eager_timer(_graphed(fn, device) if a.graph else fn)
     rows = []
     try:
         for h_loc in a.heads_per_rank:
@@ -179,6 +198,7 @@ def _worker(rank: int, a: argparse.Namespace, init: str, out_path: str) -> None:
                 warmup=a.warmup,
                 command=" ".join([os.path.basename(sys.executable)] + sys.argv),
                 nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
+                graph=a.graph,
             )
             torch.save(dict(env=env, rows=rows), out_path)
     finally:
@@ -200,7 +220,8 @@ def format_table(res: dict) -> str:
     env = res["env"]
     lines = [
         f"prefill_cost: N={env['world_size']} on {env['device']} ({env['dist_backend']}, NCCL {env['nccl']}), "
-        f"{env['dtype']}, D={env['kv_lora_rank'] + env['rope_dim']} Dv={env['kv_lora_rank']}, torch {env['torch']}",
+        f"{env['dtype']}, D={env['kv_lora_rank'] + env['rope_dim']} Dv={env['kv_lora_rank']}, torch {env['torch']}"
+        + (", CUDA graphs" if env.get("graph") else ", eager"),
         f"{'H_loc':>5} {'T':>6} {'C':>8} | {'gather_kv':>10} {'split_a2a':>10} {'split_ag_rs':>11} {'q_gather':>9} ms"
         f" | {'MB kv':>8} {'MB a2a':>8} | gather/split measured  predicted",
     ]
@@ -232,8 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--max-gib", type=float, default=24.0, help="skip grid points whose buffers exceed this")
+    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays of each method (cuda only)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/prefill_cost_<device>.json)")
     a = p.parse_args(argv)
+    if a.graph and a.device != "cuda":
+        p.error("--graph expected --device cuda (CUDA graphs)")
     if a.device == "cuda" and torch.cuda.device_count() < a.world_size:
         p.error(f"expected {a.world_size} GPUs for --device cuda, found {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as tmp:
