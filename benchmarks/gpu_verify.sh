@@ -8,10 +8,12 @@
 #   bash benchmarks/gpu_verify.sh final     # what those two left: DeepSeek-V3 fp32/bf16 over NCCL, prefill cost
 #                                           # under CUDA graphs, the fused kernel's
 #                                           # GPU tests (one GPU, and two over NCCL), demo with the fused default
+#   bash benchmarks/gpu_verify.sh kernel    # one GPU: the fused kernel's launch-shape sweep (value split), its CUDA
+#                                           # tests and layer tests against the oracle, bench B=32 fused vs unfused
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
-part=${1:?usage: gpu_verify.sh correct|speed|final}
+part=${1:?usage: gpu_verify.sh correct|speed|final|kernel}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export MAX_JOBS=16 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TQDM_MININTERVAL=30
@@ -34,7 +36,21 @@ jit() {
   done
 }
 
-if [ "$part" = final ]; then
+if [ "$part" = kernel ]; then
+  jit "mla bfloat16"
+  stamp "fused kernel launch-shape sweep (FlashInfer builds in the background)"
+  timeout 200 python3 benchmarks/query_merge_sweep.py --q-len 4 --out "$OUT/query_merge_sweep.json"
+  stamp "Triton kernel tests on CUDA"
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
+    --timeout 80 2>&1 | grep -v "^SKIPPED" | tail -6
+  for p in "${pids[@]}"; do wait "$p"; done
+  stamp "bench: B=32, the default (fused query pass) vs FlashInfer query pass + merge"
+  timeout 150 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K --q-len 4,8 --heads 16,128 \
+    --backends flashinfer --unfused --methods twostage,onepass,expand,floor --out "$OUT/bench_fused.json" 2>&1 | tail -40
+  stamp "layer tests against the oracle with the fused kernel (MLA, flashinfer and reference)"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
+    -k "fused-query and mla and (flashinfer or reference)" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
+elif [ "$part" = final ]; then
   jit "mla bfloat16" "gqa float16"
   stamp "Triton kernel tests on CUDA (FlashInfer builds in the background)"
   timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \

@@ -2,7 +2,7 @@
 
 For MLA (576/512, one latent KV head) at B requests of Q tokens, times the
 kernel alone, under a CUDA graph (twostage_mla.bench.time_many), for every
-(heads per program, warps per program) pair, merging with K context states
+(heads, value dims, warps) per program, merging with K context states
 (K = 1: N = 1 or ag_rs; K = 2: a2a with N = 2). Prints the best per shape.
 
     python benchmarks/query_merge_sweep.py --out sweep.json
@@ -44,8 +44,9 @@ def main() -> None:
     p.add_argument("--q-len", type=int, nargs="+", default=[4, 8])
     p.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     p.add_argument("--states", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--block-h", type=int, nargs="+", default=[16, 32, 64])
-    p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--block-h", type=int, nargs="+", default=[16, 32])
+    p.add_argument("--block-v", type=int, nargs="+", default=[64, 128, 256, 512])
+    p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--out", default="query_merge_sweep.json")
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -54,22 +55,22 @@ def main() -> None:
         x = _inputs(args.batch, q, h, k, dev)
         ref = query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16)
         fns = {}
-        for bh, w in itertools.product(args.block_h, args.warps):
-            o, lse = query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16, block_h=bh, num_warps=w)
+        for bh, bv, w in itertools.product(args.block_h, args.block_v, args.warps):
+            kw = dict(scale=0.1, out_dtype=torch.bfloat16, block_h=bh, block_v=bv, num_warps=w)
+            o, lse = query_merge_triton(*x, **kw)
             # Every launch shape must give the default's answer (fp32 sums in another order: tiny drift).
             assert torch.allclose(o.float(), ref[0].float(), atol=2e-2) and torch.allclose(lse, ref[1], atol=1e-4)
-            fns[f"{bh},{w}"] = lambda x=x, bh=bh, w=w: query_merge_triton(
-                *x, scale=0.1, out_dtype=torch.bfloat16, block_h=bh, num_warps=w
-            )
+            fns[f"{bh},{bv},{w}"] = lambda x=x, kw=kw: query_merge_triton(*x, **kw)
+        fns["default"] = lambda x=x: query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16)
         for name, (us, _) in time_many(fns, budget_s=0.2).items():
-            bh, w = map(int, name.split(","))
-            rows.append(dict(B=args.batch, Q=q, heads=h, states=k, block_h=bh, num_warps=w, time_us=us))
+            shape = dict(zip(("block_h", "block_v", "num_warps"), map(int, name.split(",")))) if "," in name else {}
+            rows.append(dict(B=args.batch, Q=q, heads=h, states=k, launch=name, **shape, time_us=us))
         mine = [r for r in rows if (r["Q"], r["heads"], r["states"]) == (q, h, k)]
         best = sorted(mine, key=lambda r: r["time_us"])
-        default = next(r for r in mine if (r["block_h"], r["num_warps"]) == (16, 4))
+        default = next(r for r in mine if r["launch"] == "default")
         print(
-            f"Q={q} heads={h} states={k}: default(16,4) {default['time_us']:.1f} us; best "
-            + ", ".join(f"({r['block_h']},{r['num_warps']}) {r['time_us']:.1f}" for r in best[:4]),
+            f"Q={q} heads={h} states={k}: default {default['time_us']:.1f} us; best "
+            + ", ".join(f"({r['launch']}) {r['time_us']:.1f}" for r in best[:4]),
             flush=True,
         )
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__)

@@ -2,12 +2,15 @@
 
 The query pass is tiny (each token sees at most q_len <= 16 fresh keys of its
 own request), so a stock kernel spends more time launching and tiling than
-computing. Here one program takes one token and a block of heads sharing a KV
-head. It starts an online softmax from the K context states (the N states an
-all-to-all delivered, or the one from ag_rs / N = 1), continues it over the
-request's visible fresh keys 16 at a time (tensor-core dots), and writes the
-output once. Its time is mostly memory latency, not arithmetic, hence the
-order of its loads.
+computing. Here one program takes one token, a block of heads sharing a KV
+head and a slice of the value dims. It starts an online softmax from the K
+context states (the N states an all-to-all delivered, or the one from ag_rs /
+N = 1), continues it over the request's visible fresh keys 16 at a time
+(tensor-core dots), and writes its slice of the output once. Its time is
+mostly memory latency, not arithmetic, hence the order of its loads and the
+value split: the programs of one token and head block each recompute the
+scores (their q and keys come from L2) so that there are more of them in
+flight, each holding a (heads, slice) accumulator instead of (heads, Dv).
 
 Same conventions as :mod:`twostage_mla.state`; visible keys are the causal
 prefix of the request, or ``plan.query_mask`` (tree speculation). Runs on
@@ -31,15 +34,18 @@ def _query_merge_kernel(
     sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, so_t, so_h, sol_t, sol_h,
     HAS_MASK: tl.constexpr, HAS_B: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
-    kvh = tl.program_id(1) // NBLK
-    g = (tl.program_id(1) % NBLK) * BLOCK_H + tl.arange(0, BLOCK_H)
+    # Axis 0 is the value slice, so that the programs sharing a token's q and keys run side by side.
+    dv = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)  # this program's value dims
+    t = tl.program_id(1)
+    kvh = tl.program_id(2) // NBLK
+    g = (tl.program_id(2) % NBLK) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = g < G
     h = kvh * G + g  # (BLOCK_H,) query heads reading KV head kvh
-    da = tl.arange(0, BLOCK_A)  # dims 0 .. Dv-1 (V), of which 0 .. min(D, Dv)-1 also in q and K
+    da = tl.arange(0, BLOCK_A)  # score dims 0 .. min(D, Dv)-1, in q and K (and V's dims in MLA)
     db = DV + tl.arange(0, BLOCK_B)  # dims Dv .. D-1 (K only: MLA's rope part)
-    amask = da < DV
+    vmask = dv < DV
     qkmask = (da < DV) & (da < D)
     bmask = db < D
 
@@ -49,13 +55,13 @@ def _query_merge_kernel(
     for c in range(0, NC):
         m = tl.maximum(m, tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros((BLOCK_H, BLOCK_A), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_V), tl.float32)
     den = tl.zeros((BLOCK_H,), tl.float32)
     for c in range(0, NC):
         w = tl.exp(tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")) - m_safe)
         o = tl.load(
-            CO + c * sco_k + t * sco_t + h[:, None] * sco_h + da[None, :],
-            mask=hmask[:, None] & amask[None, :],
+            CO + c * sco_k + t * sco_t + h[:, None] * sco_h + dv[None, :],
+            mask=hmask[:, None] & vmask[None, :],
             other=0.0,
         ).to(tl.float32)
         acc += tl.where(w[:, None] > 0, o * w[:, None], 0.0)  # an empty state's o may be NaN
@@ -100,7 +106,7 @@ def _query_merge_kernel(
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - safe)
         p = tl.exp(s - safe[:, None])
-        v = tl.load(V + rows[:, None] * sv_t + kvh * sv_h + da[None, :], mask=kmask[:, None] & amask[None, :],
+        v = tl.load(V + rows[:, None] * sv_t + kvh * sv_h + dv[None, :], mask=kmask[:, None] & vmask[None, :],
                     other=0.0)  # fmt: skip
         if DOT_F32:
             v = v.to(tl.float32)
@@ -109,8 +115,9 @@ def _query_merge_kernel(
         m = m_new
     # Every token sees itself, so den > 0.
     out = (acc / den[:, None]).to(OUT.dtype.element_ty)
-    tl.store(OUT + t * so_t + h[:, None] * so_h + da[None, :], out, mask=hmask[:, None] & amask[None, :])
-    tl.store(OUT_LSE + t * sol_t + h * sol_h, m + tl.log(den), mask=hmask)
+    tl.store(OUT + t * so_t + h[:, None] * so_h + dv[None, :], out, mask=hmask[:, None] & vmask[None, :])
+    if tl.program_id(0) == 0:  # every slice has the same lse
+        tl.store(OUT_LSE + t * sol_t + h * sol_h, m + tl.log(den), mask=hmask)
 
 
 def query_merge_triton(
@@ -124,6 +131,7 @@ def query_merge_triton(
     scale: float,
     out_dtype: torch.dtype,
     block_h: int | None = None,
+    block_v: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal (or tree-masked) attention over the fresh K/V, merged with context states.
@@ -134,8 +142,9 @@ def query_merge_triton(
     ctx_o: (K, T, H, Dv) any float dtype; ctx_lse: (K, T, H) float32 — the
         context states to merge (K >= 0).
     returns o (T, H, Dv) out_dtype, lse (T, H) float32.
-    block_h, num_warps: launch shape (heads per program, warps per program);
-        None picks the default (benchmarks/query_merge_sweep.py measures them).
+    block_h, block_v, num_warps: launch shape (heads, value dims and warps per
+        program; block_v >= Dv: no value split); None picks the default
+        (benchmarks/query_merge_sweep.py measures them).
     No host synchronisation; capturable in a CUDA graph.
     """
     t, h, d = q.shape
@@ -150,6 +159,9 @@ def query_merge_triton(
     # tl.dot needs blocks of >= 16 rows and columns: fewer heads or dims are padded (masked).
     block_h = block_h or 16
     nblk = triton.cdiv(g, block_h)
+    block_a = max(16, triton.next_power_of_2(dv))
+    # Value slices of 128 (MLA's 512 in four): more programs in flight, a quarter of the accumulator each.
+    block_v = min(block_a, max(16, triton.next_power_of_2(block_v or 128)))
     out = torch.empty((t, h, dv), dtype=out_dtype, device=q.device)
     out_lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
     mask = plan.query_mask
@@ -159,7 +171,7 @@ def query_merge_triton(
     sm = mask.stride() if has_mask else (0, 0, 0)
     ctx_lse = ctx_lse.float()
     if t:
-        _query_merge_kernel[(t, hk * nblk)](
+        _query_merge_kernel[(triton.cdiv(dv, block_v), t, hk * nblk)](
             q, k, v, plan.token_request, plan.token_offset, plan.query_start_loc, mask, ctx_o, ctx_lse, out, out_lse,
             scale, g, dv, d, ctx_o.shape[0], nblk,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), sm[0], sm[1],
@@ -168,7 +180,7 @@ def query_merge_triton(
             HAS_MASK=has_mask, HAS_B=d > dv, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             # Triton's interpreter multiplies bf16 dot operands as raw bits (triton-lang/triton#11584): upcast there.
             DOT_F32=q.device.type == "cpu",
-            BLOCK_H=block_h, BLOCK_N=16, BLOCK_A=max(16, triton.next_power_of_2(dv)),
-            BLOCK_B=max(16, triton.next_power_of_2(d - dv)), num_warps=num_warps or 4,
+            BLOCK_H=block_h, BLOCK_N=16, BLOCK_A=block_a, BLOCK_B=max(16, triton.next_power_of_2(d - dv)),
+            BLOCK_V=block_v, num_warps=num_warps or 4,
         )  # fmt: skip
     return out, out_lse
