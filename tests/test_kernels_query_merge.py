@@ -18,7 +18,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = {
     "mla": (4, 1, 24, 16),
     "gqa": (6, 2, 16, 8),
-    "mla_many_heads": (20, 1, 24, 16),
+    "mla_many_heads": (70, 1, 24, 16),  # 32 heads per program (>= 64), the last block partly masked
     "gqa_wide_v": (4, 2, 8, 32),
     "mla_wide": (4, 1, 40, 32),
 }

@@ -157,11 +157,13 @@ def query_merge_triton(
         )
     g = h // hk
     # tl.dot needs blocks of >= 16 rows and columns: fewer heads or dims are padded (masked).
-    block_h = block_h or 16
+    # Measured on an H200 (benchmarks/query_merge_sweep.py): 16 heads per program, or 32 from 64 heads on
+    # (29.8 vs 32.4 us at 128); the whole value width per program: each slice recomputes the scores, and
+    # at MLA's sizes that costs more than it hides (512 in 4 slices: 10.8 vs 6.5 us at 16 heads).
+    block_h = block_h or (32 if g >= 64 else 16)
     nblk = triton.cdiv(g, block_h)
     block_a = max(16, triton.next_power_of_2(dv))
-    # Value slices of 128 (MLA's 512 in four): more programs in flight, a quarter of the accumulator each.
-    block_v = min(block_a, max(16, triton.next_power_of_2(block_v or 128)))
+    block_v = min(block_a, max(16, triton.next_power_of_2(block_v or block_a)))
     out = torch.empty((t, h, dv), dtype=out_dtype, device=q.device)
     out_lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
     mask = plan.query_mask
