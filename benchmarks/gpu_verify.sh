@@ -40,7 +40,7 @@ if [ "$part" = kernel ]; then
   jit "mla bfloat16"
   stamp "fused kernel launch-shape sweep (FlashInfer builds in the background)"
   if [ -f benchmarks/_ab_kernel.py ]; then timeout 120 python3 benchmarks/_ab_kernel.py; fi
-  timeout 200 python3 benchmarks/query_merge_sweep.py --q-len 4 --block-v 512 --out "$OUT/query_merge_sweep.json"
+  timeout 200 python3 benchmarks/query_merge_sweep.py --q-len 4 8 --out "$OUT/query_merge_sweep.json"
   stamp "Triton kernel tests on CUDA"
   timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
     --timeout 80 2>&1 | grep -v "^SKIPPED" | tail -6
@@ -48,9 +48,16 @@ if [ "$part" = kernel ]; then
   stamp "bench: B=32, the default (fused query pass) vs FlashInfer query pass + merge"
   timeout 150 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K --q-len 4,8 --heads 16,128 \
     --backends flashinfer --unfused --methods twostage,onepass,expand,floor --out "$OUT/bench_fused.json" 2>&1 | tail -40
-  stamp "layer tests against the oracle with the fused kernel (MLA, flashinfer and reference)"
+  stamp "layer tests against the oracle with the fused kernel (MLA, flashinfer and reference; graphs, NaN, empty)"
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-    -k "fused-query and mla and (flashinfer or reference)" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
+    -k "(fused-query and mla and (flashinfer or reference)) or graph or nan or empty" --timeout 100 2>&1 \
+    | grep -v "^SKIPPED" | tail -8
+  if [ "$ngpu" -ge 2 ]; then
+    stamp "two-GPU NCCL test (the fused kernel after a2a and ag_rs)"
+    timeout 250 python3 -m pytest -q -s -p no:cacheprovider tests/test_backends_gpu.py -k two_gpus --timeout 240 \
+      > "$OUT/two_gpus.log" 2>&1
+    grep "rank .: \|passed\|failed\|Error\|assert" "$OUT/two_gpus.log" | tail -14
+  fi
 elif [ "$part" = final ]; then
   jit "mla bfloat16" "gqa float16"
   stamp "Triton kernel tests on CUDA (FlashInfer builds in the background)"
