@@ -2,7 +2,7 @@
 
 For MLA (576/512, one latent KV head) at B requests of Q tokens, times the
 kernel alone, under a CUDA graph (twostage_mla.bench.time_many), for every
-(heads, warps) per program and with or without programmatic dependent launch, merging with K context states
+(heads, warps) per program, merging with K context states
 (K = 1: N = 1 or ag_rs; K = 2: a2a with N = 2). Prints the best per shape.
 
     python benchmarks/query_merge_sweep.py --out sweep.json
@@ -45,7 +45,6 @@ def main() -> None:
     p.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     p.add_argument("--states", type=int, nargs="+", default=[1, 2])
     p.add_argument("--block-h", type=int, nargs="+", default=[16, 32])
-    p.add_argument("--pdl", type=int, nargs="+", default=[0, 1], help="1: programmatic dependent launch")
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--out", default="query_merge_sweep.json")
     args = p.parse_args()
@@ -55,15 +54,15 @@ def main() -> None:
         x = _inputs(args.batch, q, h, k, dev)
         ref = query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16)
         fns = {}
-        for bh, w, pdl in itertools.product(args.block_h, args.warps, args.pdl):
-            kw = dict(scale=0.1, out_dtype=torch.bfloat16, block_h=bh, num_warps=w, pdl=bool(pdl))
+        for bh, w in itertools.product(args.block_h, args.warps):
+            kw = dict(scale=0.1, out_dtype=torch.bfloat16, block_h=bh, num_warps=w)
             o, lse = query_merge_triton(*x, **kw)
             # Every launch shape must give the default's answer (fp32 sums in another order: tiny drift).
             assert torch.allclose(o.float(), ref[0].float(), atol=2e-2) and torch.allclose(lse, ref[1], atol=1e-4)
-            fns[f"{bh},{w},{pdl}"] = lambda x=x, kw=kw: query_merge_triton(*x, **kw)
+            fns[f"{bh},{w}"] = lambda x=x, kw=kw: query_merge_triton(*x, **kw)
         fns["default"] = lambda x=x: query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16)
         for name, (us, _) in time_many(fns, budget_s=0.2).items():
-            shape = dict(zip(("block_h", "num_warps", "pdl"), map(int, name.split(",")))) if "," in name else {}
+            shape = dict(zip(("block_h", "num_warps"), map(int, name.split(",")))) if "," in name else {}
             rows.append(dict(B=args.batch, Q=q, heads=h, states=k, launch=name, **shape, time_us=us))
         mine = [r for r in rows if (r["Q"], r["heads"], r["states"]) == (q, h, k)]
         best = sorted(mine, key=lambda r: r["time_us"])

@@ -7,8 +7,7 @@ head. It starts an online softmax from the K context states (the N states an
 all-to-all delivered, or the one from ag_rs / N = 1), continues it over the
 request's visible fresh keys 16 at a time (tensor-core dots), and writes the
 output once. Its time is mostly memory latency, not arithmetic, hence the
-order of its loads, and on Hopper the programmatic dependent launch: what does
-not depend on the previous kernel is loaded while that kernel ends.
+order of its loads.
 
 Same conventions as :mod:`twostage_mla.state`; visible keys are the causal
 prefix of the request, or ``plan.query_mask`` (tree speculation). Runs on
@@ -23,43 +22,15 @@ import triton.language as tl
 
 from twostage_mla.plan import StepPlan
 
-try:  # programmatic dependent launch (Hopper and later), in Triton >= 3.4
-    from triton.language.extra.cuda import gdc_wait
-except ImportError:  # pragma: no cover - older Triton: launched plainly
-    gdc_wait = None
-
-
-@triton.jit
-def _online_step(m, den, acc, qa, qb, ka, kb, v, valid, scale,
-                 HAS_B: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
-    """One block of keys into the online softmax (m, den, acc); keys where not valid are skipped."""
-    if DOT_F32:
-        ka = ka.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(qa, tl.trans(ka), input_precision=PRECISION)
-    if HAS_B:
-        if DOT_F32:
-            kb = kb.to(tl.float32)
-        s += tl.dot(qb, tl.trans(kb), input_precision=PRECISION)
-    s = tl.where(valid[None, :], s * scale, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m - safe)
-    p = tl.exp(s - safe[:, None])
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    den = den * alpha + tl.sum(p, axis=1)
-    return m_new, den, acc
-
 
 @triton.jit
 def _query_merge_kernel(
-    Q, K, V, REQ, OFF, MASK, CO, CLSE, OUT, OUT_LSE,
+    Q, K, V, REQ, OFF, QSL, MASK, CO, CLSE, OUT, OUT_LSE,
     scale, G, DV, D, NC, NBLK,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sm_b, sm_q,
     sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, so_t, so_h, sol_t, sol_h,
     HAS_MASK: tl.constexpr, HAS_B: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_PDL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
-    BLOCK_B: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     kvh = tl.program_id(1) // NBLK
@@ -72,37 +43,8 @@ def _query_merge_kernel(
     qkmask = (da < DV) & (da < D)
     bmask = db < D
 
-    # The kernel is latency-bound, so every load that needs no other load goes first. A token sees
-    # keys of its own request only, rows start .. t (a tree's ancestors precede it too), and start =
-    # t - offset[t] needs a load; but the BLOCK_N rows ending at t hold all of them for offsets below
-    # BLOCK_N (every speculative step), so that block is loaded before start is known.
-    j = tl.load(OFF + t)
-    b = 0
-    if HAS_MASK:
-        b = tl.load(REQ + t)
-    rows = t - (BLOCK_N - 1) + tl.arange(0, BLOCK_N)
-    rmask = rows >= 0
-    ka = tl.load(K + rows[:, None] * sk_t + kvh * sk_h + da[None, :], mask=rmask[:, None] & qkmask[None, :],
-                 other=0.0)  # fmt: skip
-    kb = ka
-    if HAS_B:
-        kb = tl.load(K + rows[:, None] * sk_t + kvh * sk_h + db[None, :], mask=rmask[:, None] & bmask[None, :],
-                     other=0.0)  # fmt: skip
-    v = tl.load(V + rows[:, None] * sv_t + kvh * sv_h + da[None, :], mask=rmask[:, None] & amask[None, :],
-                other=0.0)  # fmt: skip
-    qa = tl.load(Q + t * sq_t + h[:, None] * sq_h + da[None, :], mask=hmask[:, None] & qkmask[None, :], other=0.0)
-    qb = qa
-    if HAS_B:
-        qb = tl.load(Q + t * sq_t + h[:, None] * sq_h + db[None, :], mask=hmask[:, None] & bmask[None, :], other=0.0)
-    if DOT_F32:
-        qa = qa.to(tl.float32)
-        qb = qb.to(tl.float32)
-    if USE_PDL:
-        # Launched as a programmatic dependent: all of the above overlapped the previous kernel (the
-        # context pass or the exchange), which writes the context states read from here on.
-        gdc_wait()
-
     # The context states are the online softmax's starting point: (acc, den) relative to exp(m).
+    # Their loads come first so that they overlap the fresh keys' below (the kernel is latency-bound).
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     for c in range(0, NC):
         m = tl.maximum(m, tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")))
@@ -119,24 +61,52 @@ def _query_merge_kernel(
         acc += tl.where(w[:, None] > 0, o * w[:, None], 0.0)  # an empty state's o may be NaN
         den += w
 
+    # A request's tokens are contiguous, so token t = start + j sits j rows into its request.
+    j = tl.load(OFF + t)
     start = t - j
-    valid = rows >= start
     if HAS_MASK:
-        valid = valid & (tl.load(MASK + b * sm_b + j * sm_q + (rows - start), mask=valid, other=0) != 0)
-    m, den, acc = _online_step(m, den, acc, qa, qb, ka, kb, v, valid, scale, HAS_B, PRECISION, DOT_F32)
-    # Offsets of BLOCK_N and more (chunked prefill): the earlier rows, a block at a time, back to start.
-    for n0 in range(BLOCK_N, j + 1, BLOCK_N):
-        r = t - n0 - (BLOCK_N - 1) + tl.arange(0, BLOCK_N)
-        ok = r >= start
-        if HAS_MASK:
-            ok = ok & (tl.load(MASK + b * sm_b + j * sm_q + (r - start), mask=ok, other=0) != 0)
-        ka2 = tl.load(K + r[:, None] * sk_t + kvh * sk_h + da[None, :], mask=ok[:, None] & qkmask[None, :], other=0.0)
-        kb2 = ka2
+        b = tl.load(REQ + t)
+        n_keys = tl.load(QSL + b + 1) - start  # the whole request; the mask picks
+    else:
+        n_keys = j + 1  # causal: keys 0 .. j of the request
+    qa = tl.load(Q + t * sq_t + h[:, None] * sq_h + da[None, :], mask=hmask[:, None] & qkmask[None, :], other=0.0)
+    if HAS_B:
+        qb = tl.load(Q + t * sq_t + h[:, None] * sq_h + db[None, :], mask=hmask[:, None] & bmask[None, :], other=0.0)
+    if DOT_F32:
+        qa = qa.to(tl.float32)
         if HAS_B:
-            kb2 = tl.load(K + r[:, None] * sk_t + kvh * sk_h + db[None, :], mask=ok[:, None] & bmask[None, :],
-                          other=0.0)  # fmt: skip
-        v2 = tl.load(V + r[:, None] * sv_t + kvh * sv_h + da[None, :], mask=ok[:, None] & amask[None, :], other=0.0)
-        m, den, acc = _online_step(m, den, acc, qa, qb, ka2, kb2, v2, ok, scale, HAS_B, PRECISION, DOT_F32)
+            qb = qb.to(tl.float32)
+    for n0 in range(0, n_keys, BLOCK_N):
+        i = n0 + tl.arange(0, BLOCK_N)
+        kmask = i < n_keys
+        rows = start + i
+        ka = tl.load(K + rows[:, None] * sk_t + kvh * sk_h + da[None, :], mask=kmask[:, None] & qkmask[None, :],
+                     other=0.0)  # fmt: skip
+        if DOT_F32:
+            ka = ka.to(tl.float32)
+        s = tl.dot(qa, tl.trans(ka), input_precision=PRECISION)
+        if HAS_B:
+            kb = tl.load(K + rows[:, None] * sk_t + kvh * sk_h + db[None, :], mask=kmask[:, None] & bmask[None, :],
+                         other=0.0)  # fmt: skip
+            if DOT_F32:
+                kb = kb.to(tl.float32)
+            s += tl.dot(qb, tl.trans(kb), input_precision=PRECISION)
+        s = s * scale
+        valid = kmask
+        if HAS_MASK:
+            valid = valid & (tl.load(MASK + b * sm_b + j * sm_q + i, mask=kmask, other=0) != 0)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - safe)
+        p = tl.exp(s - safe[:, None])
+        v = tl.load(V + rows[:, None] * sv_t + kvh * sv_h + da[None, :], mask=kmask[:, None] & amask[None, :],
+                    other=0.0)  # fmt: skip
+        if DOT_F32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        den = den * alpha + tl.sum(p, axis=1)
+        m = m_new
     # Every token sees itself, so den > 0.
     out = (acc / den[:, None]).to(OUT.dtype.element_ty)
     tl.store(OUT + t * so_t + h[:, None] * so_h + da[None, :], out, mask=hmask[:, None] & amask[None, :])
@@ -155,7 +125,6 @@ def query_merge_triton(
     out_dtype: torch.dtype,
     block_h: int | None = None,
     num_warps: int | None = None,
-    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal (or tree-masked) attention over the fresh K/V, merged with context states.
 
@@ -165,11 +134,8 @@ def query_merge_triton(
     ctx_o: (K, T, H, Dv) any float dtype; ctx_lse: (K, T, H) float32 — the
         context states to merge (K >= 0).
     returns o (T, H, Dv) out_dtype, lse (T, H) float32.
-    block_h, num_warps: launch shape (heads and warps per program); None picks
-        the default (benchmarks/query_merge_sweep.py measures them).
-    pdl: launch as a programmatic dependent of the previous kernel, so that the
-        loads of q and the fresh keys overlap its end; None: wherever the GPU
-        (Hopper or later) and Triton support it.
+    block_h, num_warps: launch shape (heads per program, warps per program);
+        None picks the default (benchmarks/query_merge_sweep.py measures them).
     No host synchronisation; capturable in a CUDA graph.
     """
     t, h, d = q.shape
@@ -182,14 +148,13 @@ def query_merge_triton(
         )
     g = h // hk
     # tl.dot needs blocks of >= 16 rows and columns: fewer heads or dims are padded (masked).
-    # Measured on an H200 (benchmarks/query_merge_sweep.py): 16 heads per program, or 32 from 64 heads on
-    # (29.8 vs 32.4 us at 128); the whole value width per program: splitting it over programs recomputes
-    # the scores in each, which at MLA's sizes costs more than it hides (4 slices: 10.8 vs 6.5 us).
+    # Measured on H200s (benchmarks/query_merge_sweep.py): 16 heads per program, or 32 from 64 heads on
+    # (28.0 vs 30.1 us at 128). Rejected after measuring (benchmarks/results/): splitting the value dims
+    # over programs (each slice recomputes the scores: 10.8 vs 6.5 us at 16 heads), and loading the
+    # fresh keys before the token's offset with a programmatic dependent launch (no faster in the layer,
+    # and twice as slow with two context states at 128 heads: more live registers).
     block_h = block_h or (32 if g >= 64 else 16)
     nblk = triton.cdiv(g, block_h)
-    if pdl is None:
-        pdl = gdc_wait is not None and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
-    launch = {"launch_pdl": True} if pdl else {}  # an older Triton knows no such option
     out = torch.empty((t, h, dv), dtype=out_dtype, device=q.device)
     out_lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
     mask = plan.query_mask
@@ -200,15 +165,15 @@ def query_merge_triton(
     ctx_lse = ctx_lse.float()
     if t:
         _query_merge_kernel[(t, hk * nblk)](
-            q, k, v, plan.token_request, plan.token_offset, mask, ctx_o, ctx_lse, out, out_lse,
+            q, k, v, plan.token_request, plan.token_offset, plan.query_start_loc, mask, ctx_o, ctx_lse, out, out_lse,
             scale, g, dv, d, ctx_o.shape[0], nblk,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), sm[0], sm[1],
             ctx_o.stride(0), ctx_o.stride(1), ctx_o.stride(2), ctx_lse.stride(0), ctx_lse.stride(1), ctx_lse.stride(2),
             out.stride(0), out.stride(1), out_lse.stride(0), out_lse.stride(1),
             HAS_MASK=has_mask, HAS_B=d > dv, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             # Triton's interpreter multiplies bf16 dot operands as raw bits (triton-lang/triton#11584): upcast there.
-            DOT_F32=q.device.type == "cpu", USE_PDL=pdl,
+            DOT_F32=q.device.type == "cpu",
             BLOCK_H=block_h, BLOCK_N=16, BLOCK_A=max(16, triton.next_power_of_2(dv)),
-            BLOCK_B=max(16, triton.next_power_of_2(d - dv)), num_warps=num_warps or 4, **launch,
+            BLOCK_B=max(16, triton.next_power_of_2(d - dv)), num_warps=num_warps or 4,
         )  # fmt: skip
     return out, out_lse
