@@ -20,6 +20,7 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world: int, init: str, out_dir: str, fn: Callable, args: tuple) -> None:
+    torch.set_num_threads(1)  # the ranks share the CPUs; see conftest.py for why one thread each
     # A short timeout turns a rank stuck in a collective into a failure, not a hang.
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:

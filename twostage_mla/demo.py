@@ -71,6 +71,8 @@ def _worker(rank: int, a: DemoArgs, device: str, init: str, out_path: str) -> No
     backend_name = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(rank)
+    else:  # N ranks share the CPUs; one thread each also keeps float32 exact (tests/conftest.py says why)
+        torch.set_num_threads(1)
     dist.init_process_group(backend_name, init_method=init, rank=rank, world_size=a.world_size)
     try:
         dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
