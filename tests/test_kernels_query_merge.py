@@ -15,13 +15,7 @@ from twostage_mla.kernels.query_merge import query_merge_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # H, H_kv, D, Dv; "gqa_wide_v": V wider than q and K (D < Dv)
-SHAPES = {
-    "mla": (4, 1, 24, 16),
-    "gqa": (6, 2, 16, 8),
-    "mla_many_heads": (20, 1, 24, 16),
-    "gqa_wide_v": (4, 2, 8, 32),
-}
-
+SHAPES = {"mla": (4, 1, 24, 16), "gqa": (6, 2, 16, 8), "mla_many_heads": (20, 1, 24, 16), "gqa_wide_v": (4, 2, 8, 32)}
 
 
 def setup(fmt: str, tree: bool, dtype: torch.dtype):
@@ -62,11 +56,16 @@ def test_matches_query_pass_plus_merge(fmt, tree):
 def test_32_heads_per_program():
     # The default from 64 heads per KV head on; here 20 heads in one partly masked block of 32.
     cfg, x, attn, plan, v = setup("mla_many_heads", True, torch.float32)
-    ref = query_merge_triton(x.q, x.k, v, plan, x.q[None, :, :, :16], x.q[None, :, :, 0].float(),
-                             scale=cfg.scale, out_dtype=torch.float32)  # fmt: skip
-    got = query_merge_triton(x.q, x.k, v, plan, x.q[None, :, :, :16], x.q[None, :, :, 0].float(),
-                             scale=cfg.scale, out_dtype=torch.float32, block_h=32)  # fmt: skip
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    o_q, lse_q = attn.backend.query(x.q, x.k, v, plan)
+    g = torch.Generator().manual_seed(1)
+    ctx_o = torch.randn(1, *o_q.shape, generator=g).to(DEVICE)
+    ctx_lse = torch.randn(1, *lse_q.shape, generator=g).to(DEVICE)
+    ref_o, ref_lse = merge_states(ctx_o, ctx_lse, extra=(o_q, lse_q), out_dtype=torch.float32)
+    got_o, got_lse = query_merge_triton(
+        x.q, x.k, v, plan, ctx_o, ctx_lse, scale=cfg.scale, out_dtype=torch.float32, block_h=32
+    )
+    torch.testing.assert_close(got_o, ref_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_output_and_bad_shapes():
