@@ -165,9 +165,9 @@ class AttentionBackend:
         the rest goes to :meth:`_query`, the backend's causal kernel.
         """
         if q.shape[0] == 0 or plan.query_mask is not None:
-            from twostage_mla.backends.reference import ReferenceBackend  # it subclasses this module's class
+            from twostage_mla.backends.reference import dense_query  # reference.py imports this module
 
-            return ReferenceBackend.query(self, q, k, v, plan)  # type: ignore[arg-type]
+            return dense_query(q, k, v, plan, self.spec.scale)
         return self._query(q, k, v, plan)
 
     def _query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:

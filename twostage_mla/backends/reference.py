@@ -43,6 +43,20 @@ def dense_attention(
     return rearrange(o, "b k g s d -> b s (k g) d"), rearrange(lse, "b k g s -> b s (k g)")
 
 
+def dense_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan, scale: float) -> State:
+    """The query pass, dense: causal per request, or plan.query_mask (a tree).
+
+    q: (T, H, D); k: (T, H_kv, D); v: (T, H_kv, Dv).
+    returns o (T, H, Dv) q.dtype, lse (T, H) float32.
+    """
+    mask = plan.query_mask
+    if mask is None:
+        j = torch.arange(plan.max_q_len, device=q.device)
+        mask = (j[None, :] <= j[:, None]).expand(plan.batch_size, -1, -1)
+    o, lse = dense_attention(_pad(q, plan), _pad(k, plan), _pad(v, plan), mask, scale)
+    return o[plan.token_request, plan.token_offset].to(q.dtype), lse[plan.token_request, plan.token_offset]
+
+
 class ReferenceBackend(AttentionBackend):
     name = "reference"
     devices = ("cpu", "cuda")
@@ -64,10 +78,5 @@ class ReferenceBackend(AttentionBackend):
         o, lse = dense_attention(_pad(q, plan), k, v, mask, self.spec.scale)
         return o[plan.token_request, plan.token_offset].to(q.dtype), lse[plan.token_request, plan.token_offset]
 
-    def query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
-        mask = plan.query_mask
-        if mask is None:
-            j = torch.arange(plan.max_q_len, device=q.device)
-            mask = (j[None, :] <= j[:, None]).expand(plan.batch_size, -1, -1)
-        o, lse = dense_attention(_pad(q, plan), _pad(k, plan), _pad(v, plan), mask, self.spec.scale)
-        return o[plan.token_request, plan.token_offset].to(q.dtype), lse[plan.token_request, plan.token_offset]
+    def _query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
+        return dense_query(q, k, v, plan, self.spec.scale)
