@@ -104,13 +104,6 @@ def _graphed(fn, device: torch.device):
     return graph.replay
 
 
-def _exchange_a2a(o, lse, group):
-    # The layer's a2a step: one all-to-all of (o, lse); the merge is fused into the final merge.
-    if hasattr(comm, "exchange_a2a"):
-        return comm.exchange_a2a(o, lse, group)
-    return comm.combine_a2a(o, lse, group)
-
-
 def _q_gather(q, group, n):
     buf, work = comm.gather_queries(q, group, n)
     work.wait()
@@ -119,7 +112,8 @@ def _q_gather(q, group, n):
 
 def _split_a2a(q, o_c, lse_c, group, n):
     _q_gather(q, group, n)
-    return _exchange_a2a(comm.to_rank_major(o_c, n, 1), comm.to_rank_major(lse_c, n, 1), group)
+    # The layer's a2a step: one all-to-all of (o, lse); their merge is fused into the final merge.
+    return comm.exchange_a2a(comm.to_rank_major(o_c, n, 1), comm.to_rank_major(lse_c, n, 1), group)
 
 
 def _split_ag_rs(q, o_c, lse_c, group, n, rank):
