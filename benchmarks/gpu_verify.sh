@@ -8,7 +8,8 @@
 #   bash benchmarks/gpu_verify.sh final     # what those two left: DeepSeek-V3 fp32/bf16 over NCCL, prefill cost
 #                                           # under CUDA graphs, the fused kernel's
 #                                           # GPU tests (one GPU, and two over NCCL), demo with the fused default
-#   bash benchmarks/gpu_verify.sh kernel    # one GPU: the fused kernel's launch-shape sweep (value split), its CUDA
+#   bash benchmarks/gpu_verify.sh kernel    # one GPU: the fused kernel's launch-shape sweep (against the kernel in
+#                                           # benchmarks/_query_merge_prev.py where that file is), its CUDA
 #                                           # tests and layer tests against the oracle, bench B=32 fused vs unfused
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
@@ -39,7 +40,8 @@ jit() {
 if [ "$part" = kernel ]; then
   jit "mla bfloat16"
   stamp "fused kernel launch-shape sweep (FlashInfer builds in the background)"
-  timeout 200 python3 benchmarks/query_merge_sweep.py --q-len 4 8 --out "$OUT/query_merge_sweep.json"
+  prev=(); [ -f benchmarks/_query_merge_prev.py ] && prev=(--prev benchmarks/_query_merge_prev.py)
+  timeout 240 python3 benchmarks/query_merge_sweep.py --q-len 4 8 "${prev[@]}" --out "$OUT/query_merge_sweep.json"
   stamp "Triton kernel tests on CUDA"
   timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
     --timeout 80 2>&1 | grep -v "^SKIPPED" | tail -6

@@ -2,7 +2,7 @@
 
 For MLA (576/512, one latent KV head) at B requests of Q tokens, times the
 kernel alone, under a CUDA graph (twostage_mla.bench.time_many), for every
-(heads, warps) per program, merging with K context states
+launch shape (heads and warps per program, head-dim and value-dim chunks), merging with K context states
 (K = 1: N = 1 or ag_rs; K = 2: a2a with N = 2). Prints the best per shape.
 
     python benchmarks/query_merge_sweep.py --out sweep.json
@@ -11,6 +11,7 @@ kernel alone, under a CUDA graph (twostage_mla.bench.time_many), for every
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 from types import SimpleNamespace
@@ -38,37 +39,61 @@ def _inputs(b: int, q: int, h: int, k_states: int, dev: torch.device) -> tuple:
     return qx, kx, kx[..., :512], plan, ctx_o, ctx_lse
 
 
+def _launches(args: argparse.Namespace, heads: int) -> list[dict]:
+    """Every launch shape of the grid that fits the heads (no block of heads past max(16, heads))."""
+    grid = itertools.product(args.block_h, args.warps, args.block_d, args.block_v)
+    return [
+        dict(block_h=bh, num_warps=w, block_d=bd, block_v=bv) for bh, w, bd, bv in grid if bh <= max(16, heads)
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--q-len", type=int, nargs="+", default=[4, 8])
     p.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     p.add_argument("--states", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--block-h", type=int, nargs="+", default=[16, 32])
-    p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--block-h", type=int, nargs="+", default=[16, 32, 64, 128])
+    p.add_argument("--warps", type=int, nargs="+", default=[4])
+    p.add_argument("--block-d", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--block-v", type=int, nargs="+", default=[128, 256, 512])
+    p.add_argument("--prev", default=None, help="a module path holding an earlier query_merge_triton to time too")
     p.add_argument("--out", default="query_merge_sweep.json")
     args = p.parse_args()
     dev = torch.device("cuda")
+    prev = None
+    if args.prev:
+        spec = importlib.util.spec_from_file_location("prev_kernel", args.prev)
+        prev = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(prev)
     rows = []
     for q, h, k in itertools.product(args.q_len, args.heads, args.states):
         x = _inputs(args.batch, q, h, k, dev)
         ref = query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16)
         fns = {}
-        for bh, w in itertools.product(args.block_h, args.warps):
-            kw = dict(scale=0.1, out_dtype=torch.bfloat16, block_h=bh, num_warps=w)
-            o, lse = query_merge_triton(*x, **kw)
+        for kw in _launches(args, h):
+            o, lse = query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16, **kw)
             # Every launch shape must give the default's answer (fp32 sums in another order: tiny drift).
             assert torch.allclose(o.float(), ref[0].float(), atol=2e-2) and torch.allclose(lse, ref[1], atol=1e-4)
-            fns[f"{bh},{w}"] = lambda x=x, kw=kw: query_merge_triton(*x, **kw)
+            fns[",".join(map(str, kw.values()))] = lambda x=x, kw=kw: query_merge_triton(
+                *x, scale=0.1, out_dtype=torch.bfloat16, **kw
+            )
         fns["default"] = lambda x=x: query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16)
+        if prev is not None:
+            o, lse = prev.query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16)
+            assert torch.allclose(o.float(), ref[0].float(), atol=2e-2) and torch.allclose(lse, ref[1], atol=1e-4)
+            fns["prev"] = lambda x=x: prev.query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16)
         for name, (us, _) in time_many(fns, budget_s=0.2).items():
-            shape = dict(zip(("block_h", "num_warps"), map(int, name.split(",")))) if "," in name else {}
+            keys = ("block_h", "num_warps", "block_d", "block_v")
+            shape = dict(zip(keys, map(int, name.split(",")))) if "," in name else {}
             rows.append(dict(B=args.batch, Q=q, heads=h, states=k, launch=name, **shape, time_us=us))
         mine = [r for r in rows if (r["Q"], r["heads"], r["states"]) == (q, h, k)]
         best = sorted(mine, key=lambda r: r["time_us"])
-        default = next(r for r in mine if r["launch"] == "default")
+        named = {r["launch"]: r["time_us"] for r in mine}
         print(
-            f"Q={q} heads={h} states={k}: default {default['time_us']:.1f} us; best "
+            f"Q={q} heads={h} states={k}: default {named['default']:.1f} us"
+            + (f", prev {named['prev']:.1f}" if "prev" in named else "")
+            + "; best "
             + ", ".join(f"({r['launch']}) {r['time_us']:.1f}" for r in best[:4]),
             flush=True,
         )

@@ -168,6 +168,33 @@ def test_flashinfer_stale_plan_and_capture_limits(emulated):
     assert torch.allclose(out.double(), ref_o, atol=1e-5)
 
 
+def test_capture_limits_with_the_fused_query_pass(emulated):
+    # The fused kernel (Triton's interpreter here) reads token offsets that a graph captured
+    # at one step must find refilled at the next: same T, other q_lens, a fixed buffer.
+    pytest.importorskip("triton")
+    from twostage_mla.kernels.query_merge import query_merge_triton
+
+    cfg = _config(True, 16)
+    limits = CaptureLimits(max_batch_size=2, max_tokens=8, max_pages=8)
+    attn = _layer("flashinfer", cfg, DCPLayout(), limits)
+    attn.query_merge, attn.backend.query_pass = query_merge_triton, False  # what fuse_query picks on CUDA
+    steps = [
+        synthetic.make_step([10, 30], ql, heads=4, head_dim=80, head_dim_v=64, tree=tree, seed=i)
+        for i, (ql, tree) in enumerate((([2, 6], False), ([5, 3], False), ([5, 3], True)))
+    ]
+    xs = [synthetic.rank_inputs(s, DCPLayout(), 16, mla=True, dtype=torch.float32, device="cpu") for s in steps]
+    plans = [attn.plan(x.query_start_loc, x.seq_lens, x.block_table) for x in xs[:2]]
+    assert plans[0].token_offset.data_ptr() == plans[1].token_offset.data_ptr()  # one buffer, refilled
+    assert plans[1].token_offset.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    out = attn(xs[1].q, xs[1].k, None, xs[1].k_cache, None, plans[1])
+    ref_o, _ = synthetic.oracle(steps[1], cfg.scale)
+    assert torch.allclose(out.double(), ref_o, atol=1e-5)
+    with pytest.raises(ValueError, match="latest plan"):
+        attn(xs[0].q, xs[0].k, None, xs[0].k_cache, None, plans[0])
+    with pytest.raises(ValueError, match="no tree parents with capture limits"):
+        attn.plan(xs[2].query_start_loc, xs[2].seq_lens, xs[2].block_table, parents=xs[2].parents)
+
+
 def test_capture_limits_are_checked():
     with pytest.raises(ValueError, match="max_tokens"):
         CaptureLimits(max_batch_size=2, max_tokens=0, max_pages=3)

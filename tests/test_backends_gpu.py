@@ -213,14 +213,17 @@ def test_cuda_graph_replay_matches_eager(name, fmt):
     _check(step, cfg, torch.bfloat16, out, lse, name)
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["backend-query", "fused-query"])
 @pytest.mark.parametrize("fmt", ["mla", "gqa"])
-def test_flashinfer_graph_replays_after_a_new_plan(fmt):
-    """Capture limits: one graph, captured for step A, replayed after plan(B) gives B's answer."""
+def test_flashinfer_graph_replays_after_a_new_plan(fmt, fuse):
+    """Capture limits: one graph, captured for step A, replayed after plan(B) gives B's answer.
+
+    Same B and T, other q_lens and contexts: every per-step index the graph reads must be refilled.
+    """
     cfg = _config(fmt, 16 if fmt == "mla" else 8, 64)
     if "flashinfer" not in _serving(cfg, torch.bfloat16):
         pytest.skip("flashinfer not installed")
     dt, mla = torch.bfloat16, fmt == "mla"
-    ql = [4, 2, 1, 5]
     steps = [
         synthetic.make_step(
             c,
@@ -233,14 +236,16 @@ def test_flashinfer_graph_replays_after_a_new_plan(fmt):
             dtype=dt,
             seed=s,
         )
-        for s, c in ((0, [100, 0, 900, 3000]), (1, [2500, 64, 0, 700]))
+        for s, c, ql in ((0, [100, 0, 900, 3000], [4, 2, 1, 5]), (1, [2500, 64, 0, 700], [1, 6, 3, 2]))
     ]
     xs = [synthetic.rank_inputs(s, DCPLayout(), 64, mla=mla, dtype=dt, device=DEV) for s in steps]
     pages = max(x.k_cache.shape[0] for x in xs)
     width = max(x.block_table.shape[1] for x in xs)
     attn = TwoStageAttention(
-        cfg, DCPLayout(), backend="flashinfer", dtype=dt, device=DEV, max_batch_size=4, max_tokens=16, max_pages=pages
-    )
+        cfg, DCPLayout(), backend="flashinfer", dtype=dt, device=DEV, max_batch_size=4, max_tokens=16,
+        max_pages=pages, fuse_query=fuse,
+    )  # fmt: skip
+    assert (attn.query_merge is not None) == fuse
 
     def static(t, shape):  # a fixed buffer the graph reads, refilled per step
         return torch.zeros(shape, dtype=t.dtype, device=DEV)

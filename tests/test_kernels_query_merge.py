@@ -53,19 +53,37 @@ def test_matches_query_pass_plus_merge(fmt, tree):
     torch.testing.assert_close(got_lse, lse_q, rtol=1e-5, atol=1e-5)
 
 
-def test_32_heads_per_program():
-    # The default from 64 heads per KV head on; here 20 heads in one partly masked block of 32.
-    cfg, x, attn, plan, v = setup("mla_many_heads", True, torch.float32)
+@pytest.mark.parametrize("fmt", ["mla_many_heads", "gqa_wide_v"])
+def test_launch_shape(fmt):
+    # 32 heads per program (the default from 64 heads per KV head on): here 20 heads in one partly
+    # masked block; the head and value dims in chunks of 16 (mla: 24 = 16 + a masked half, V 16;
+    # gqa_wide_v: 8 in one masked chunk, V 32 = two chunks).
+    cfg, x, attn, plan, v = setup(fmt, True, torch.float32)
     o_q, lse_q = attn.backend.query(x.q, x.k, v, plan)
     g = torch.Generator().manual_seed(1)
     ctx_o = torch.randn(1, *o_q.shape, generator=g).to(DEVICE)
     ctx_lse = torch.randn(1, *lse_q.shape, generator=g).to(DEVICE)
     ref_o, ref_lse = merge_states(ctx_o, ctx_lse, extra=(o_q, lse_q), out_dtype=torch.float32)
     got_o, got_lse = query_merge_triton(
-        x.q, x.k, v, plan, ctx_o, ctx_lse, scale=cfg.scale, out_dtype=torch.float32, block_h=32
+        x.q, x.k, v, plan, ctx_o, ctx_lse, scale=cfg.scale, out_dtype=torch.float32, block_h=32, block_d=16, block_v=16
     )
     torch.testing.assert_close(got_o, ref_o, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_no_context_and_very_negative_scores():
+    # Every score near -1e3 and the only context state empty (lse -inf, o NaN): exp() of the
+    # scores underflows unless taken relative to their max; the empty state must weigh nothing.
+    cfg, x, attn, plan, v = setup("mla", False, torch.float32)
+    k = 1.0 + 0.1 * x.k  # every key near (1, .., 1), every query near -30 times that
+    q, v = -30.0 + 0.1 * x.q, k[..., : v.shape[-1]]
+    o_q, lse_q = attn.backend.query(q, k, v, plan)
+    assert lse_q.max() < -100
+    ctx_o = torch.full((1, *o_q.shape), float("nan"), device=DEVICE)
+    ctx_lse = torch.full((1, *lse_q.shape), float("-inf"), device=DEVICE)
+    got_o, got_lse = query_merge_triton(q, k, v, plan, ctx_o, ctx_lse, scale=cfg.scale, out_dtype=torch.float32)
+    torch.testing.assert_close(got_o, o_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_lse, lse_q, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_output_and_bad_shapes():

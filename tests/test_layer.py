@@ -201,9 +201,12 @@ def test_plan_of_another_config_is_refused():
     torch.testing.assert_close(twin(x.q, x.k, None, x.k_cache, None, mine), attn(x.q, x.k, None, x.k_cache, None, mine))
 
 
-def test_capture_limits_refuse_tree_masks():
+def test_capture_limits_need_a_backend_with_fixed_buffers():
+    # The reference backend reads the plan's own tensors: a graph replayed after
+    # another plan would silently use the captured step's indices. Refused, by name.
     cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
-    x, attn = _one_rank_step(cfg, tree=True, max_batch_size=4, max_tokens=16, max_pages=16)
-    with pytest.raises(ValueError, match="no tree parents and fuse_query=False with capture limits"):
-        attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)
-    attn.plan(x.query_start_loc, x.seq_lens, x.block_table)  # a causal step is fine
+    limits = dict(max_batch_size=4, max_tokens=16, max_pages=16)
+    for backend in ("auto", "reference"):
+        with pytest.raises(ValueError, match=r"reference: keeps no metadata in fixed buffers, so capture limits"):
+            TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32, backend=backend, **limits)
+    TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32, max_tokens=16)  # not all three: no capture mode

@@ -98,18 +98,18 @@ class TwoStageAttention:
     backend: "auto" or a name from :func:`twostage_mla.backends.backend_names`.
     dtype, device: of q, K/V and the cache.
     max_batch_size, max_tokens, max_pages: optional maxima (B, T, and pages
-        one step's context pass reads on rank 0, the most of any rank); with all three given, a
-        backend that needs persistent buffers for CUDA graphs (flashinfer)
-        keeps its metadata there, so a graph captured once replays correctly
-        after later plans of the same B and T. Without them a captured graph
-        is valid for the plan it was captured with.
+        one step's context pass reads on rank 0, the most of any rank); with
+        all three given, the layer and its backend keep every per-step index
+        they read in fixed buffers, so a graph captured once replays correctly
+        after later plans of the same B and T (tree steps are refused then).
+        Only a backend that can do so serves them (flashinfer); a plan stays
+        valid until the next plan() of the layer that made it. Without them a
+        captured graph is valid for the plan it was captured with.
     fuse_query: True runs the query pass inside the final merge (one Triton
         kernel, :mod:`twostage_mla.kernels.query_merge`) instead of the
         backend's own query pass plus a merge; needs CUDA, Triton and bf16
         or fp16. False never does. None (default): fused wherever that kernel
-        runs, except with capture limits (the kernel reads per-step plan
-        tensors that a graph replayed across steps would not see). Measured
-        on H200 in docs/performance.md.
+        runs. Measured on H200 in docs/performance.md.
 
     One instance serves every layer with this config; ``plan`` once per step,
     then call it per layer. Example (one rank, CPU)::
@@ -171,7 +171,7 @@ class TwoStageAttention:
             device=self.device,
         )
         limits = CaptureLimits(max_batch_size, max_tokens, max_pages)
-        self.backend = select_backend(self.spec, backend)(self.spec, limits)
+        self.backend = select_backend(self.spec, backend, limits)(self.spec, limits)
         self.merge = select_merge(self.spec)
         if fuse_query not in (None, True, False):
             raise ValueError(f"expected fuse_query in (None, True, False), got {fuse_query!r}")
@@ -181,10 +181,11 @@ class TwoStageAttention:
                 f"expected fuse_query=False on {self.device} with {dtype}: the fused kernel needs CUDA, Triton "
                 "and bf16 or fp16"
             )
-        if fuse_query is None:
-            fuse_query = not limits.given
-        self.query_merge = fused if fuse_query else None
+        self.query_merge = fused if fuse_query in (None, True) else None
         self.backend.query_pass = self.query_merge is None
+        # With capture limits the fused kernel reads token offsets from here (plan() refills it),
+        # as a replayed graph reads the addresses it was captured with.
+        self._offsets: torch.Tensor | None = None
 
     def plan(
         self,
@@ -206,14 +207,20 @@ class TwoStageAttention:
         plan = plan_step(
             query_start_loc, seq_lens, block_table, page_size=self.config.page_size, layout=self.layout, parents=parents
         )
-        if self.backend.limits.given and (self.query_merge is not None or parents is not None):
-            # Only the backend's metadata lives in fixed buffers; the fused query
-            # pass and tree masks read per-step plan tensors a replayed graph would not see.
+        limits = self.backend.limits
+        if limits.given and parents is not None:
+            # Tree masks are per-step tensors of per-step shape: no fixed buffer holds them.
             raise ValueError(
-                "expected no tree parents and fuse_query=False with capture limits (max_batch_size, "
-                "max_tokens, max_pages): a graph replayed across steps would read the captured step's indices"
+                "expected no tree parents with capture limits (max_batch_size, max_tokens, max_pages): "
+                "a graph replayed across steps would read the captured step's mask"
             )
-        state = self.backend.plan(plan)
+        state = self.backend.plan(plan)  # checks the step against the limits
+        if limits.given and self.query_merge is not None:
+            if self._offsets is None:
+                self._offsets = torch.zeros(limits.max_tokens, dtype=torch.int64, device=self.device)
+            offsets = self._offsets[: plan.num_tokens]
+            offsets.copy_(plan.token_offset)
+            plan = replace(plan, token_offset=offsets)
         return replace(plan, backend=self.backend.name, backend_state=state, spec=self.spec)
 
     def __call__(

@@ -51,17 +51,19 @@ def backend_names() -> list[str]:
     return [b.name for b in _REGISTRY]
 
 
-def refusals(spec: AttentionSpec) -> dict[str, list[str]]:
+def refusals(spec: AttentionSpec, limits: CaptureLimits | None = None) -> dict[str, list[str]]:
     """For every registered backend, why it cannot serve ``spec`` (empty: it can)."""
-    return {b.name: b.not_supported_reasons(spec) for b in _REGISTRY}
+    return {b.name: b.not_supported_reasons(spec, limits) for b in _REGISTRY}
 
 
-def select_backend(spec: AttentionSpec, name: str = "auto") -> type[AttentionBackend]:
-    """The backend class for ``spec``: the first that fits, or the one named."""
+def select_backend(
+    spec: AttentionSpec, name: str = "auto", limits: CaptureLimits | None = None
+) -> type[AttentionBackend]:
+    """The backend class for ``spec`` (and capture ``limits``, if given): the first that fits, or the one named."""
     if name != "auto" and name not in backend_names():
         raise ValueError(f"expected backend to be 'auto' or one of {backend_names()}, got {name!r}")
     candidates = [b for b in _REGISTRY if name in ("auto", b.name)]
-    why = {b.name: b.not_supported_reasons(spec) for b in candidates}
+    why = {b.name: b.not_supported_reasons(spec, limits) for b in candidates}
     for b in candidates:
         if not why[b.name]:
             return b

@@ -90,6 +90,9 @@ class AttentionBackend:
     page_size_multiple: ClassVar[int] = 1
     packages: ClassVar[tuple[str, ...]] = ()  # import names that must be installed
     min_compute_capability: ClassVar[tuple[int, int] | None] = None
+    # Keeps its per-step metadata in fixed buffers sized by CaptureLimits, so a
+    # CUDA graph captured once replays correctly after later plans.
+    replays_across_steps: ClassVar[bool] = False
 
     @classmethod
     def environment_problems(cls, spec: AttentionSpec) -> list[str]:
@@ -103,8 +106,13 @@ class AttentionBackend:
         return out
 
     @classmethod
-    def not_supported_reasons(cls, spec: AttentionSpec) -> list[str]:
+    def not_supported_reasons(cls, spec: AttentionSpec, limits: CaptureLimits | None = None) -> list[str]:
         reasons = cls.environment_problems(spec)
+        if limits is not None and limits.given and not cls.replays_across_steps:
+            reasons.append(
+                "keeps no metadata in fixed buffers, so capture limits (max_batch_size, max_tokens, max_pages) "
+                "cannot make its CUDA graphs replay across steps"
+            )
         if spec.device.type not in cls.devices:
             reasons.append(f"device {spec.device.type!r} not in {cls.devices}")
         if spec.dtype not in cls.dtypes:

@@ -99,6 +99,7 @@ class FlashInferBackend(AttentionBackend):
     kv_formats = ("mla", "gqa")
     packages = ("flashinfer",)
     min_compute_capability = (8, 0)
+    replays_across_steps = True
 
     @classmethod
     def extra_reasons(cls, spec: AttentionSpec) -> list[str]:

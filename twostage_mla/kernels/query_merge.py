@@ -24,92 +24,145 @@ from twostage_mla.plan import StepPlan
 
 
 @triton.jit
+def _key_block(
+    Q, K, MASK, t, h, hmask, kvh, start, j, b, n0, n_keys, D, scale, sq_t, sq_h, sk_t, sk_h, sm_b, sm_q,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Scaled scores of fresh keys n0 .. n0+BLOCK_N-1 of the request, -inf where not visible.
+
+    The head dim is read in chunks so that no (heads x D) tile sits in registers:
+    at 128 heads a whole tile left room for one program per SM, and the kernel ran
+    at under half the copy bandwidth.
+    """
+    i = n0 + tl.arange(0, BLOCK_N)
+    kmask = i < n_keys
+    rows = start + i
+    s = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dmask = d < D
+        qc = tl.load(Q + t * sq_t + h[:, None] * sq_h + d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
+        kc = tl.load(K + rows[:, None] * sk_t + kvh * sk_h + d[None, :], mask=kmask[:, None] & dmask[None, :],
+                     other=0.0)  # fmt: skip
+        if DOT_F32:
+            qc, kc = qc.to(tl.float32), kc.to(tl.float32)
+        s += tl.dot(qc, tl.trans(kc), input_precision=PRECISION)
+    valid = kmask
+    if HAS_MASK:
+        valid = valid & (tl.load(MASK + b * sm_b + j * sm_q + i, mask=kmask, other=0) != 0)
+    return tl.where(valid[None, :], s * scale, float("-inf")), rows, kmask
+
+
+@triton.jit
+def _context_chunk(
+    CO, CLSE, t, h, hmask, v0, m_c, NC, DV, sco_k, sco_t, sco_h, scl_k, scl_t, scl_h,
+    BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """Sum over the context states of exp(lse - m_c) * o, value dims v0 .. v0+BLOCK_V-1."""
+    dv = v0 + tl.arange(0, BLOCK_V)
+    acc = tl.zeros((BLOCK_H, BLOCK_V), tl.float32)
+    for c in range(0, NC):
+        w = tl.exp(tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")) - m_c)
+        o = tl.load(
+            CO + c * sco_k + t * sco_t + h[:, None] * sco_h + dv[None, :],
+            mask=hmask[:, None] & (dv < DV)[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.where(w[:, None] > 0, o * w[:, None], 0.0)  # an empty state's o may be NaN
+    return acc
+
+
+@triton.jit
+def _softmax_stats(m, den, s):
+    """Running max and denominator (relative to exp(max)) after one more block of scores s."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: keep den = 0, not NaN
+    return m_new, den * tl.exp(m - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
+
+
+@triton.jit
 def _query_merge_kernel(
     Q, K, V, REQ, OFF, QSL, MASK, CO, CLSE, OUT, OUT_LSE,
     scale, G, DV, D, NC, NBLK,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sm_b, sm_q,
     sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, so_t, so_h, sol_t, sol_h,
-    HAS_MASK: tl.constexpr, HAS_B: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     kvh = tl.program_id(1) // NBLK
     g = (tl.program_id(1) % NBLK) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = g < G
     h = kvh * G + g  # (BLOCK_H,) query heads reading KV head kvh
-    da = tl.arange(0, BLOCK_A)  # dims 0 .. Dv-1 (V), of which 0 .. min(D, Dv)-1 also in q and K
-    db = DV + tl.arange(0, BLOCK_B)  # dims Dv .. D-1 (K only: MLA's rope part)
-    amask = da < DV
-    qkmask = (da < DV) & (da < D)
-    bmask = db < D
-
-    # The context states are the online softmax's starting point: (acc, den) relative to exp(m).
-    # Their loads come first so that they overlap the fresh keys' below (the kernel is latency-bound).
-    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    for c in range(0, NC):
-        m = tl.maximum(m, tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros((BLOCK_H, BLOCK_A), tl.float32)
-    den = tl.zeros((BLOCK_H,), tl.float32)
-    for c in range(0, NC):
-        w = tl.exp(tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")) - m_safe)
-        o = tl.load(
-            CO + c * sco_k + t * sco_t + h[:, None] * sco_h + da[None, :],
-            mask=hmask[:, None] & amask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        acc += tl.where(w[:, None] > 0, o * w[:, None], 0.0)  # an empty state's o may be NaN
-        den += w
 
     # A request's tokens are contiguous, so token t = start + j sits j rows into its request.
     j = tl.load(OFF + t)
     start = t - j
+    b = 0
     if HAS_MASK:
         b = tl.load(REQ + t)
         n_keys = tl.load(QSL + b + 1) - start  # the whole request; the mask picks
     else:
         n_keys = j + 1  # causal: keys 0 .. j of the request
-    qa = tl.load(Q + t * sq_t + h[:, None] * sq_h + da[None, :], mask=hmask[:, None] & qkmask[None, :], other=0.0)
-    if HAS_B:
-        qb = tl.load(Q + t * sq_t + h[:, None] * sq_h + db[None, :], mask=hmask[:, None] & bmask[None, :], other=0.0)
-    if DOT_F32:
-        qa = qa.to(tl.float32)
-        if HAS_B:
-            qb = qb.to(tl.float32)
-    for n0 in range(0, n_keys, BLOCK_N):
-        i = n0 + tl.arange(0, BLOCK_N)
-        kmask = i < n_keys
-        rows = start + i
-        ka = tl.load(K + rows[:, None] * sk_t + kvh * sk_h + da[None, :], mask=kmask[:, None] & qkmask[None, :],
-                     other=0.0)  # fmt: skip
-        if DOT_F32:
-            ka = ka.to(tl.float32)
-        s = tl.dot(qa, tl.trans(ka), input_precision=PRECISION)
-        if HAS_B:
-            kb = tl.load(K + rows[:, None] * sk_t + kvh * sk_h + db[None, :], mask=kmask[:, None] & bmask[None, :],
-                         other=0.0)  # fmt: skip
-            if DOT_F32:
-                kb = kb.to(tl.float32)
-            s += tl.dot(qb, tl.trans(kb), input_precision=PRECISION)
-        s = s * scale
-        valid = kmask
-        if HAS_MASK:
-            valid = valid & (tl.load(MASK + b * sm_b + j * sm_q + i, mask=kmask, other=0) != 0)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - safe)
-        p = tl.exp(s - safe[:, None])
-        v = tl.load(V + rows[:, None] * sv_t + kvh * sv_h + da[None, :], mask=kmask[:, None] & amask[None, :],
+
+    # Two passes, as the value dims come in chunks: first the softmax's max m and
+    # denominator den over the context states (each one key of weight exp(lse))
+    # and the fresh keys, then each chunk of the output in one go. The context
+    # states' share of a chunk is summed relative to their own max m_c and loaded
+    # one chunk ahead (the first before the scores): the kernel waits on memory
+    # latency more than on anything else.
+    m_c = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    for c in range(0, NC):
+        m_c = tl.maximum(m_c, tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")))
+    m_c = tl.where(m_c == float("-inf"), 0.0, m_c)  # no context: every weight below is 0
+    den = tl.zeros((BLOCK_H,), tl.float32)
+    for c in range(0, NC):
+        den += tl.exp(tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")) - m_c)
+    ctx_next = _context_chunk(
+        CO, CLSE, t, h, hmask, 0, m_c, NC, DV, sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, BLOCK_H, BLOCK_V
+    )  # fmt: skip
+    # Keys 0 .. BLOCK_N-1 hold every key of a request of up to BLOCK_N tokens: keep their scores.
+    s0, rows0, kmask0 = _key_block(
+        Q, K, MASK, t, h, hmask, kvh, start, j, b, 0, n_keys, D, scale, sq_t, sq_h, sk_t, sk_h, sm_b, sm_q,
+        HAS_MASK, PRECISION, DOT_F32, BLOCK_H, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+    has_ctx = den > 0
+    m, den = _softmax_stats(tl.where(has_ctx, m_c, float("-inf")), den, s0)
+    for n0 in range(BLOCK_N, n_keys, BLOCK_N):  # requests of more than BLOCK_N tokens
+        s, _, _ = _key_block(
+            Q, K, MASK, t, h, hmask, kvh, start, j, b, n0, n_keys, D, scale, sq_t, sq_h, sk_t, sk_h, sm_b, sm_q,
+            HAS_MASK, PRECISION, DOT_F32, BLOCK_H, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
+        m, den = _softmax_stats(m, den, s)
+    # Every token sees itself, so m is finite and den > 0 from here on; m >= m_c where a context exists.
+    p0 = tl.exp(s0 - m[:, None])
+    inv = 1.0 / den
+    fix = tl.exp(tl.where(has_ctx, m_c - m, float("-inf"))) * inv  # context share: from m_c to m, normalised
+    for v0 in range(0, DV, BLOCK_V):
+        dv = v0 + tl.arange(0, BLOCK_V)
+        vmask = dv < DV
+        acc = ctx_next * fix[:, None]
+        ctx_next = _context_chunk(  # the next chunk's (past the end: all masked, no traffic)
+            CO, CLSE, t, h, hmask, v0 + BLOCK_V, m_c, NC, DV, sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, BLOCK_H, BLOCK_V
+        )  # fmt: skip
+        v = tl.load(V + rows0[:, None] * sv_t + kvh * sv_h + dv[None, :], mask=kmask0[:, None] & vmask[None, :],
                     other=0.0)  # fmt: skip
         if DOT_F32:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        den = den * alpha + tl.sum(p, axis=1)
-        m = m_new
-    # Every token sees itself, so den > 0.
-    out = (acc / den[:, None]).to(OUT.dtype.element_ty)
-    tl.store(OUT + t * so_t + h[:, None] * so_h + da[None, :], out, mask=hmask[:, None] & amask[None, :])
+        fresh = tl.dot(p0.to(v.dtype), v, input_precision=PRECISION)
+        for n0 in range(BLOCK_N, n_keys, BLOCK_N):  # requests of more than BLOCK_N tokens: scores again
+            s, rows, kmask = _key_block(
+                Q, K, MASK, t, h, hmask, kvh, start, j, b, n0, n_keys, D, scale, sq_t, sq_h, sk_t, sk_h, sm_b, sm_q,
+                HAS_MASK, PRECISION, DOT_F32, BLOCK_H, BLOCK_N, BLOCK_D,
+            )  # fmt: skip
+            v = tl.load(V + rows[:, None] * sv_t + kvh * sv_h + dv[None, :], mask=kmask[:, None] & vmask[None, :],
+                        other=0.0)  # fmt: skip
+            if DOT_F32:
+                v = v.to(tl.float32)
+            fresh += tl.dot(tl.exp(s - m[:, None]).to(v.dtype), v, input_precision=PRECISION)
+        out = (acc + fresh * inv[:, None]).to(OUT.dtype.element_ty)
+        tl.store(OUT + t * so_t + h[:, None] * so_h + dv[None, :], out, mask=hmask[:, None] & vmask[None, :])
     tl.store(OUT_LSE + t * sol_t + h * sol_h, m + tl.log(den), mask=hmask)
 
 
@@ -125,6 +178,8 @@ def query_merge_triton(
     out_dtype: torch.dtype,
     block_h: int | None = None,
     num_warps: int | None = None,
+    block_d: int | None = None,
+    block_v: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal (or tree-masked) attention over the fresh K/V, merged with context states.
 
@@ -134,8 +189,10 @@ def query_merge_triton(
     ctx_o: (K, T, H, Dv) any float dtype; ctx_lse: (K, T, H) float32 — the
         context states to merge (K >= 0).
     returns o (T, H, Dv) out_dtype, lse (T, H) float32.
-    block_h, num_warps: launch shape (heads per program, warps per program);
-        None picks the default (benchmarks/query_merge_sweep.py measures them).
+    block_h, num_warps, block_d, block_v: launch shape (heads and warps per
+        program, chunks of the head dim for the scores and of the value dim for
+        the output; powers of two >= 16); None picks the default
+        (benchmarks/query_merge_sweep.py measures them).
     No host synchronisation; capturable in a CUDA graph.
     """
     t, h, d = q.shape
@@ -153,7 +210,11 @@ def query_merge_triton(
     # over programs (each slice recomputes the scores: 10.8 vs 6.5 us at 16 heads), and loading the
     # fresh keys before the token's offset with a programmatic dependent launch (no faster in the layer,
     # and twice as slow with two context states at 128 heads: more live registers).
-    block_h = block_h or (32 if g >= 64 else 16)
+    wide = g >= 64
+    block_h = block_h or (64 if wide else 16)
+    block_d = block_d or 64
+    block_v = block_v or (128 if wide else 512)
+    num_warps = num_warps or 4
     nblk = triton.cdiv(g, block_h)
     out = torch.empty((t, h, dv), dtype=out_dtype, device=q.device)
     out_lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
@@ -170,10 +231,9 @@ def query_merge_triton(
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), sm[0], sm[1],
             ctx_o.stride(0), ctx_o.stride(1), ctx_o.stride(2), ctx_lse.stride(0), ctx_lse.stride(1), ctx_lse.stride(2),
             out.stride(0), out.stride(1), out_lse.stride(0), out_lse.stride(1),
-            HAS_MASK=has_mask, HAS_B=d > dv, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            HAS_MASK=has_mask, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             # Triton's interpreter multiplies bf16 dot operands as raw bits (triton-lang/triton#11584): upcast there.
             DOT_F32=q.device.type == "cpu",
-            BLOCK_H=block_h, BLOCK_N=16, BLOCK_A=max(16, triton.next_power_of_2(dv)),
-            BLOCK_B=max(16, triton.next_power_of_2(d - dv)), num_warps=num_warps or 4,
+            BLOCK_H=block_h, BLOCK_N=16, BLOCK_D=block_d, BLOCK_V=block_v, num_warps=num_warps,
         )  # fmt: skip
     return out, out_lse
