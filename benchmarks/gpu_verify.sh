@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu_verify.sh kernel    # one GPU: the fused kernel's launch-shape sweep (against the kernel in
 #                                           # benchmarks/_query_merge_prev.py where that file is), its CUDA
 #                                           # tests and layer tests against the oracle, bench B=32 fused vs unfused
+#   bash benchmarks/gpu_verify.sh grid      # one GPU: a short launch-shape sweep, kernel tests, the whole
+#                                           # bench grid (fused default and unfused), twostage-mla check
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
@@ -37,7 +39,22 @@ jit() {
   done
 }
 
-if [ "$part" = kernel ]; then
+if [ "$part" = grid ]; then
+  jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
+  stamp "fused kernel launch-shape sweep, Q=4 (FlashInfer builds in the background)"
+  prev=(); [ -f benchmarks/_query_merge_prev.py ] && prev=(--prev benchmarks/_query_merge_prev.py)
+  timeout 170 python3 benchmarks/query_merge_sweep.py --q-len 4 --block-h 16 32 64 --block-d 64 128 256 \
+    --block-v 128 512 "${prev[@]}" --out "$OUT/query_merge_sweep.json"
+  stamp "Triton kernel tests on CUDA"
+  timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
+    --timeout 70 2>&1 | grep -v "^SKIPPED" | tail -4
+  for p in "${pids[@]}"; do wait "$p"; done
+  grep -h "ready\|Error" "$OUT/jit.log" | tail -n 4
+  stamp "bench: the issue's full grid, the default (fused) and the unfused path"
+  timeout 230 python3 -m twostage_mla bench --unfused --out "$OUT/bench_grid.json" 2>&1 | tail -160
+  stamp check
+  timeout 100 python3 -m twostage_mla check 2>&1 | tail -16
+elif [ "$part" = kernel ]; then
   jit "mla bfloat16"
   stamp "fused kernel launch-shape sweep (FlashInfer builds in the background)"
   prev=(); [ -f benchmarks/_query_merge_prev.py ] && prev=(--prev benchmarks/_query_merge_prev.py)

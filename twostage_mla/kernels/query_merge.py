@@ -89,6 +89,7 @@ def _query_merge_kernel(
     sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, so_t, so_h, sol_t, sol_h,
     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     kvh = tl.program_id(1) // NBLK
@@ -109,9 +110,10 @@ def _query_merge_kernel(
     # Two passes, as the value dims come in chunks: first the softmax's max m and
     # denominator den over the context states (each one key of weight exp(lse))
     # and the fresh keys, then each chunk of the output in one go. The context
-    # states' share of a chunk is summed relative to their own max m_c and loaded
-    # one chunk ahead (the first before the scores): the kernel waits on memory
-    # latency more than on anything else.
+    # states' share of a chunk is summed relative to their own max m_c; with one
+    # chunk it is loaded before the scores, so that those loads overlap (the kernel
+    # waits on memory latency more than on anything else). Loading the next chunk
+    # ahead in the same way was slower: two live tiles, fewer programs per SM.
     m_c = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     for c in range(0, NC):
         m_c = tl.maximum(m_c, tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")))
@@ -119,9 +121,10 @@ def _query_merge_kernel(
     den = tl.zeros((BLOCK_H,), tl.float32)
     for c in range(0, NC):
         den += tl.exp(tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")) - m_c)
-    ctx_next = _context_chunk(
-        CO, CLSE, t, h, hmask, 0, m_c, NC, DV, sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, BLOCK_H, BLOCK_V
-    )  # fmt: skip
+    if ONE_CHUNK:
+        ctx = _context_chunk(
+            CO, CLSE, t, h, hmask, 0, m_c, NC, DV, sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, BLOCK_H, BLOCK_V
+        )  # fmt: skip
     # Keys 0 .. BLOCK_N-1 hold every key of a request of up to BLOCK_N tokens: keep their scores.
     s0, rows0, kmask0 = _key_block(
         Q, K, MASK, t, h, hmask, kvh, start, j, b, 0, n_keys, D, scale, sq_t, sq_h, sk_t, sk_h, sm_b, sm_q,
@@ -142,10 +145,11 @@ def _query_merge_kernel(
     for v0 in range(0, DV, BLOCK_V):
         dv = v0 + tl.arange(0, BLOCK_V)
         vmask = dv < DV
-        acc = ctx_next * fix[:, None]
-        ctx_next = _context_chunk(  # the next chunk's (past the end: all masked, no traffic)
-            CO, CLSE, t, h, hmask, v0 + BLOCK_V, m_c, NC, DV, sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, BLOCK_H, BLOCK_V
-        )  # fmt: skip
+        if not ONE_CHUNK:
+            ctx = _context_chunk(
+                CO, CLSE, t, h, hmask, v0, m_c, NC, DV, sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, BLOCK_H, BLOCK_V
+            )  # fmt: skip
+        acc = ctx * fix[:, None]
         v = tl.load(V + rows0[:, None] * sv_t + kvh * sv_h + dv[None, :], mask=kmask0[:, None] & vmask[None, :],
                     other=0.0)  # fmt: skip
         if DOT_F32:
@@ -212,8 +216,9 @@ def query_merge_triton(
     # and twice as slow with two context states at 128 heads: more live registers).
     wide = g >= 64
     block_h = block_h or (64 if wide else 16)
-    block_d = block_d or 64
-    block_v = block_v or (128 if wide else 512)
+    block_d = block_d or (64 if wide else 128)
+    whole_v = max(16, triton.next_power_of_2(dv))
+    block_v = block_v or (min(128, whole_v) if wide else whole_v)
     num_warps = num_warps or 4
     nblk = triton.cdiv(g, block_h)
     out = torch.empty((t, h, dv), dtype=out_dtype, device=q.device)
@@ -234,6 +239,7 @@ def query_merge_triton(
             HAS_MASK=has_mask, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             # Triton's interpreter multiplies bf16 dot operands as raw bits (triton-lang/triton#11584): upcast there.
             DOT_F32=q.device.type == "cpu",
-            BLOCK_H=block_h, BLOCK_N=16, BLOCK_D=block_d, BLOCK_V=block_v, num_warps=num_warps,
+            BLOCK_H=block_h, BLOCK_N=16, BLOCK_D=block_d, BLOCK_V=block_v,
+            ONE_CHUNK=block_v >= dv, num_warps=num_warps,
         )  # fmt: skip
     return out, out_lse
