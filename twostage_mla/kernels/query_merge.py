@@ -3,11 +3,14 @@
 The query pass is tiny (each token sees at most q_len <= 16 fresh keys of its
 own request), so a stock kernel spends more time launching and tiling than
 computing. Here one program takes one token and a block of heads sharing a KV
-head. It starts an online softmax from the K context states (the N states an
-all-to-all delivered, or the one from ag_rs / N = 1), continues it over the
-request's visible fresh keys 16 at a time (tensor-core dots), and writes the
-output once. Its time is mostly memory latency, not arithmetic, hence the
-order of its loads.
+head. In two passes: the softmax's max and denominator over the K context
+states (the N states an all-to-all delivered, or the one from ag_rs / N = 1,
+each one "key" of weight exp(lse)) and the request's visible fresh keys, 16 at
+a time, scores from the head dim in chunks (tensor-core dots); then each chunk
+of the value dims is written once: the context states' share plus the fresh
+keys' (the scores of a request of up to 16 tokens are kept, not recomputed).
+No (heads x D) tile sits in registers, so many programs fit on an SM: the
+kernel waits on memory more than on anything else.
 
 Same conventions as :mod:`twostage_mla.state`; visible keys are the causal
 prefix of the request, or ``plan.query_mask`` (tree speculation). Runs on
@@ -209,11 +212,13 @@ def query_merge_triton(
         )
     g = h // hk
     # tl.dot needs blocks of >= 16 rows and columns: fewer heads or dims are padded (masked).
-    # Measured on H200s (benchmarks/query_merge_sweep.py): 16 heads per program, or 32 from 64 heads on
-    # (28.0 vs 30.1 us at 128). Rejected after measuring (benchmarks/results/): splitting the value dims
-    # over programs (each slice recomputes the scores: 10.8 vs 6.5 us at 16 heads), and loading the
-    # fresh keys before the token's offset with a programmatic dependent launch (no faster in the layer,
-    # and twice as slow with two context states at 128 heads: more live registers).
+    # Defaults measured on H200s (benchmarks/query_merge_sweep.py, docs/performance.md): below 64
+    # heads per KV head, 16 heads per program and the value dims in one chunk (the context states
+    # then load before the scores); from 64 on, 64 heads and value chunks of 128 (25.5 vs 28.6 us
+    # at 128 heads for the kernel that kept whole (heads x D) tiles in registers). Rejected after
+    # measuring (benchmarks/results/): value dims split over programs (each recomputes the scores),
+    # fresh keys loaded ahead with a programmatic dependent launch, the next value chunk's context
+    # states loaded one chunk ahead (two live tiles: 29.7 vs 21.3 us at 128 heads).
     wide = g >= 64
     block_h = block_h or (64 if wide else 16)
     block_d = block_d or (64 if wide else 128)
