@@ -34,9 +34,9 @@ def _key_block(
 ):  # fmt: skip
     """Scaled scores of fresh keys n0 .. n0+BLOCK_N-1 of the request, -inf where not visible.
 
-    The head dim is read in chunks so that no (heads x D) tile sits in registers:
-    at 128 heads a whole tile left room for one program per SM, and the kernel ran
-    at under half the copy bandwidth.
+    The head dim is read in chunks so that no (heads x D) tile sits in registers
+    (with whole tiles the kernel ran at ~40 % of the copy bandwidth at 128 heads;
+    in chunks, with 64 heads per program, 25.5 instead of 28.6 us there).
     """
     i = n0 + tl.arange(0, BLOCK_N)
     kmask = i < n_keys
