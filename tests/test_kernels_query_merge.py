@@ -55,9 +55,9 @@ def test_matches_query_pass_plus_merge(fmt, tree):
 
 @pytest.mark.parametrize("fmt", ["mla_many_heads", "gqa_wide_v"])
 def test_launch_shape(fmt):
-    # 32 heads per program (the default from 64 heads per KV head on): here 20 heads in one partly
-    # masked block; the head and value dims in chunks of 16 (mla: 24 = 16 + a masked half, V 16;
-    # gqa_wide_v: 8 in one masked chunk, V 32 = two chunks).
+    # A launch shape other than the default: 32 heads per program (mla_many_heads: its 20 heads in one
+    # partly masked block), the head and value dims in chunks of 16 (mla: 24 = 16 + a masked half,
+    # V 16; gqa_wide_v: 8 in one masked chunk, V 32 = two chunks, so the per-chunk context path).
     cfg, x, attn, plan, v = setup(fmt, True, torch.float32)
     o_q, lse_q = attn.backend.query(x.q, x.k, v, plan)
     g = torch.Generator().manual_seed(1)
