@@ -30,11 +30,12 @@ def _inputs(b: int, q: int, h: int, k_states: int, dev: torch.device) -> tuple:
     ctx_o = torch.randn(k_states, t, h, 512, device=dev, dtype=torch.bfloat16, generator=gen)
     ctx_lse = torch.randn(k_states, t, h, device=dev, dtype=torch.float32, generator=gen)
     ids = torch.arange(t, device=dev, dtype=torch.int32)
-    plan = SimpleNamespace(  # the four plan fields the kernel reads
+    plan = SimpleNamespace(  # the plan fields the kernel reads
         token_request=ids // q,
         token_offset=ids % q,
         query_start_loc=torch.arange(0, t + 1, q, device=dev, dtype=torch.int32),
         query_mask=None,
+        max_q_len=q,
     )
     return qx, kx, kx[..., :512], plan, ctx_o, ctx_lse
 
@@ -42,9 +43,7 @@ def _inputs(b: int, q: int, h: int, k_states: int, dev: torch.device) -> tuple:
 def _launches(args: argparse.Namespace, heads: int) -> list[dict]:
     """Every launch shape of the grid that fits the heads (no block of heads past max(16, heads))."""
     grid = itertools.product(args.block_h, args.warps, args.block_d, args.block_v)
-    return [
-        dict(block_h=bh, num_warps=w, block_d=bd, block_v=bv) for bh, w, bd, bv in grid if bh <= max(16, heads)
-    ]
+    return [dict(block_h=bh, num_warps=w, block_d=bd, block_v=bv) for bh, w, bd, bv in grid if bh <= max(16, heads)]
 
 
 def main() -> None:

@@ -193,6 +193,10 @@ def test_capture_limits_with_the_fused_query_pass(emulated):
         attn(xs[0].q, xs[0].k, None, xs[0].k_cache, None, plans[0])
     with pytest.raises(ValueError, match="no tree parents with capture limits"):
         attn.plan(xs[2].query_start_loc, xs[2].seq_lens, xs[2].block_table, parents=xs[2].parents)
+    # The kernel compiled for requests of up to max_q_len tokens: a longer one is refused.
+    tight = _layer("flashinfer", cfg, DCPLayout(), CaptureLimits(2, 8, 8, max_q_len=4))
+    with pytest.raises(ValueError, match=r"at most max_q_len = 4 tokens \(capture limits\), got one of 5"):
+        tight.plan(xs[1].query_start_loc, xs[1].seq_lens, xs[1].block_table)
 
 
 def test_capture_limits_are_checked():

@@ -213,12 +213,14 @@ def test_cuda_graph_replay_matches_eager(name, fmt):
     _check(step, cfg, torch.bfloat16, out, lse, name)
 
 
+@pytest.mark.parametrize("max_tokens", [16, 32])
 @pytest.mark.parametrize("fuse", [False, True], ids=["backend-query", "fused-query"])
 @pytest.mark.parametrize("fmt", ["mla", "gqa"])
-def test_flashinfer_graph_replays_after_a_new_plan(fmt, fuse):
+def test_flashinfer_graph_replays_after_a_new_plan(fmt, fuse, max_tokens):
     """Capture limits: one graph, captured for step A, replayed after plan(B) gives B's answer.
 
     Same B and T, other q_lens and contexts: every per-step index the graph reads must be refilled.
+    max_tokens 32 (requests may have more than 16 tokens): the fused kernel's long variant.
     """
     cfg = _config(fmt, 16 if fmt == "mla" else 8, 64)
     if "flashinfer" not in _serving(cfg, torch.bfloat16):
@@ -242,7 +244,7 @@ def test_flashinfer_graph_replays_after_a_new_plan(fmt, fuse):
     pages = max(x.k_cache.shape[0] for x in xs)
     width = max(x.block_table.shape[1] for x in xs)
     attn = TwoStageAttention(
-        cfg, DCPLayout(), backend="flashinfer", dtype=dt, device=DEV, max_batch_size=4, max_tokens=16,
+        cfg, DCPLayout(), backend="flashinfer", dtype=dt, device=DEV, max_batch_size=4, max_tokens=max_tokens,
         max_pages=pages, fuse_query=fuse,
     )  # fmt: skip
     assert (attn.query_merge is not None) == fuse

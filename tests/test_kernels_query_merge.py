@@ -18,12 +18,16 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = {"mla": (4, 1, 24, 16), "gqa": (6, 2, 16, 8), "mla_many_heads": (20, 1, 24, 16), "gqa_wide_v": (4, 2, 8, 32)}
 
 
-def setup(fmt: str, tree: bool, dtype: torch.dtype):
+# The kernel compiles one variant for requests of up to 16 tokens and one for longer ones.
+Q_LENS = {"short": [3, 1, 16, 6, 9], "long": [3, 1, 16, 6, 37]}
+
+
+def setup(fmt: str, tree: bool, dtype: torch.dtype, lens: str = "long"):
     h, hk, d, dv = SHAPES[fmt]
     mla = hk == 1
     cfg = AttentionConfig(h, d, dv, 4, d**-0.5, hk, "mla" if mla else "gqa")
     step = synthetic.make_step(
-        [0, 5, 9, 2, 7], [3, 1, 16, 6, 37], heads=h, head_dim=d, head_dim_v=dv, kv_heads=hk, mla=mla, tree=tree, seed=2
+        [0, 5, 9, 2, 7], Q_LENS[lens], heads=h, head_dim=d, head_dim_v=dv, kv_heads=hk, mla=mla, tree=tree, seed=2
     )
     x = synthetic.rank_inputs(step, DCPLayout(), 4, mla=mla, dtype=dtype, device=DEVICE)
     attn = TwoStageAttention(cfg, DCPLayout(), dtype=dtype, device=DEVICE, backend="reference", fuse_query=False)
@@ -34,8 +38,9 @@ def setup(fmt: str, tree: bool, dtype: torch.dtype):
 
 @pytest.mark.parametrize("fmt", list(SHAPES))
 @pytest.mark.parametrize("tree", [False, True])
-def test_matches_query_pass_plus_merge(fmt, tree):
-    cfg, x, attn, plan, v = setup(fmt, tree, torch.float32)
+@pytest.mark.parametrize("lens", list(Q_LENS))
+def test_matches_query_pass_plus_merge(fmt, tree, lens):
+    cfg, x, attn, plan, v = setup(fmt, tree, torch.float32, lens)
     o_q, lse_q = attn.backend.query(x.q, x.k, v, plan)
     # two context states, one of them empty for token 0 and with NaN there
     g = torch.Generator().manual_seed(0)
@@ -95,6 +100,9 @@ def test_bf16_output_and_bad_shapes():
     torch.testing.assert_close(got_o.float(), ref.float(), rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match=r"ctx_o: \(K, T, H, Dv\)"):
         query_merge_triton(x.q, x.k, v, plan, o_q[None, :3], lse_q[None, :3], scale=cfg.scale, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"max_q_len >= 37 \(the plan's longest request\), got 16"):
+        query_merge_triton(x.q, x.k, v, plan, o_q[None], lse_q[None], scale=cfg.scale, out_dtype=torch.float32,
+                           max_q_len=16)  # fmt: skip
 
 
 def test_fuse_query_needs_cuda():

@@ -105,6 +105,9 @@ class TwoStageAttention:
         Only a backend that can do so serves them (flashinfer); a plan stays
         valid until the next plan() of the layer that made it. Without them a
         captured graph is valid for the plan it was captured with.
+    max_q_len: with those three, the most tokens of one request in any step
+        (default max_tokens); <= 16 (speculative decoding) lets the fused
+        query pass use its faster variant under a graph replayed across steps.
     fuse_query: True runs the query pass inside the final merge (one Triton
         kernel, :mod:`twostage_mla.kernels.query_merge`) instead of the
         backend's own query pass plus a merge; needs CUDA, Triton and bf16
@@ -133,6 +136,7 @@ class TwoStageAttention:
         max_batch_size: int | None = None,
         max_tokens: int | None = None,
         max_pages: int | None = None,
+        max_q_len: int | None = None,
         fuse_query: bool | None = None,
     ) -> None:
         if not isinstance(config, AttentionConfig):
@@ -170,7 +174,7 @@ class TwoStageAttention:
             dtype=dtype,
             device=self.device,
         )
-        limits = CaptureLimits(max_batch_size, max_tokens, max_pages)
+        limits = CaptureLimits(max_batch_size, max_tokens, max_pages, max_q_len)
         self.backend = select_backend(self.spec, backend, limits)(self.spec, limits)
         self.merge = select_merge(self.spec)
         if fuse_query not in (None, True, False):
@@ -184,7 +188,8 @@ class TwoStageAttention:
         self.query_merge = fused if fuse_query in (None, True) else None
         self.backend.query_pass = self.query_merge is None
         # With capture limits the fused kernel reads token offsets from here (plan() refills it),
-        # as a replayed graph reads the addresses it was captured with.
+        # as a replayed graph reads the addresses it was captured with; and it is compiled for the
+        # longest request of any step, not of the step it was captured with.
         self._offsets: torch.Tensor | None = None
 
     def plan(
@@ -213,6 +218,11 @@ class TwoStageAttention:
             raise ValueError(
                 "expected no tree parents with capture limits (max_batch_size, max_tokens, max_pages): "
                 "a graph replayed across steps would read the captured step's mask"
+            )
+        if limits.given and plan.max_q_len > limits.longest_request:
+            raise ValueError(
+                f"expected requests of at most max_q_len = {limits.longest_request} tokens (capture limits), "
+                f"got one of {plan.max_q_len}"
             )
         state = self.backend.plan(plan)  # checks the step against the limits
         if limits.given and self.query_merge is not None:
@@ -303,5 +313,15 @@ class TwoStageAttention:
             if self.query_merge is None:
                 out, lse = self.merge(o_c, lse_c, extra=(o_q, lse_q), out_dtype=self.dtype)
             else:  # query pass and merge in one kernel
-                out, lse = self.query_merge(q_local, k, v, plan, o_c, lse_c, scale=cfg.scale, out_dtype=self.dtype)
+                out, lse = self.query_merge(
+                    q_local,
+                    k,
+                    v,
+                    plan,
+                    o_c,
+                    lse_c,
+                    scale=cfg.scale,
+                    out_dtype=self.dtype,
+                    max_q_len=self.backend.limits.longest_request,
+                )
         return (out, lse) if return_lse else out

@@ -32,14 +32,18 @@ class CaptureLimits:
     holds the most, so every rank checks the same count).
     None everywhere (the default): buffers follow each step, and a captured
     graph stays valid only for the plan it was captured with.
+    max_q_len: tokens of one request at most (optional, read only with the
+    three above; None means max_tokens). The fused query kernel compiles a
+    faster variant where it is <= 16.
     """
 
     max_batch_size: int | None = None
     max_tokens: int | None = None
     max_pages: int | None = None
+    max_q_len: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_tokens", "max_pages"):
+        for name in ("max_batch_size", "max_tokens", "max_pages", "max_q_len"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"expected {name} to be None or a positive int, got {v!r}")
@@ -47,6 +51,11 @@ class CaptureLimits:
     @property
     def given(self) -> bool:
         return None not in (self.max_batch_size, self.max_tokens, self.max_pages)
+
+    @property
+    def longest_request(self) -> int | None:
+        """Tokens of one request at most in any step, where the limits are given; else None."""
+        return (self.max_q_len or self.max_tokens) if self.given else None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ a time, scores from the head dim in chunks (tensor-core dots); then each chunk
 of the value dims is written once: the context states' share plus the fresh
 keys' (the scores of a request of up to 16 tokens are kept, not recomputed).
 No (heads x D) tile sits in registers, so many programs fit on an SM: the
-kernel waits on memory more than on anything else.
+kernel waits on memory more than on anything else, so the value chunks are
+software-pipelined. Requests of more than 16 tokens (chunked prefill) take a
+variant with extra loops over their keys, compiled only where a plan has them.
 
 Same conventions as :mod:`twostage_mla.state`; visible keys are the causal
 prefix of the request, or ``plan.query_mask`` (tree speculation). Runs on
@@ -92,7 +94,7 @@ def _query_merge_kernel(
     sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, so_t, so_h, sol_t, sol_h,
     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    ONE_CHUNK: tl.constexpr,
+    LONG: tl.constexpr, V_STAGES: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     kvh = tl.program_id(1) // NBLK
@@ -113,10 +115,7 @@ def _query_merge_kernel(
     # Two passes, as the value dims come in chunks: first the softmax's max m and
     # denominator den over the context states (each one key of weight exp(lse))
     # and the fresh keys, then each chunk of the output in one go. The context
-    # states' share of a chunk is summed relative to their own max m_c; with one
-    # chunk it is loaded before the scores, so that those loads overlap (the kernel
-    # waits on memory latency more than on anything else). Loading the next chunk
-    # ahead in the same way was slower: two live tiles, fewer programs per SM.
+    # states' share of a chunk is summed relative to their own max m_c.
     m_c = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     for c in range(0, NC):
         m_c = tl.maximum(m_c, tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")))
@@ -124,10 +123,6 @@ def _query_merge_kernel(
     den = tl.zeros((BLOCK_H,), tl.float32)
     for c in range(0, NC):
         den += tl.exp(tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")) - m_c)
-    if ONE_CHUNK:
-        ctx = _context_chunk(
-            CO, CLSE, t, h, hmask, 0, m_c, NC, DV, sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, BLOCK_H, BLOCK_V
-        )  # fmt: skip
     # Keys 0 .. BLOCK_N-1 hold every key of a request of up to BLOCK_N tokens: keep their scores.
     s0, rows0, kmask0 = _key_block(
         Q, K, MASK, t, h, hmask, kvh, start, j, b, 0, n_keys, D, scale, sq_t, sq_h, sk_t, sk_h, sm_b, sm_q,
@@ -135,39 +130,43 @@ def _query_merge_kernel(
     )  # fmt: skip
     has_ctx = den > 0
     m, den = _softmax_stats(tl.where(has_ctx, m_c, float("-inf")), den, s0)
-    for n0 in range(BLOCK_N, n_keys, BLOCK_N):  # requests of more than BLOCK_N tokens
-        s, _, _ = _key_block(
-            Q, K, MASK, t, h, hmask, kvh, start, j, b, n0, n_keys, D, scale, sq_t, sq_h, sk_t, sk_h, sm_b, sm_q,
-            HAS_MASK, PRECISION, DOT_F32, BLOCK_H, BLOCK_N, BLOCK_D,
-        )  # fmt: skip
-        m, den = _softmax_stats(m, den, s)
+    # Requests of more than BLOCK_N tokens. Compiled only where a request may have them: the
+    # loops, even when they never run, cost the value loop its pipelining (21.7 vs 17.7 us).
+    if LONG:
+        for n0 in range(BLOCK_N, n_keys, BLOCK_N):
+            s, _, _ = _key_block(
+                Q, K, MASK, t, h, hmask, kvh, start, j, b, n0, n_keys, D, scale, sq_t, sq_h, sk_t, sk_h, sm_b, sm_q,
+                HAS_MASK, PRECISION, DOT_F32, BLOCK_H, BLOCK_N, BLOCK_D,
+            )  # fmt: skip
+            m, den = _softmax_stats(m, den, s)
     # Every token sees itself, so m is finite and den > 0 from here on; m >= m_c where a context exists.
     p0 = tl.exp(s0 - m[:, None])
     inv = 1.0 / den
     fix = tl.exp(tl.where(has_ctx, m_c - m, float("-inf"))) * inv  # context share: from m_c to m, normalised
-    for v0 in range(0, DV, BLOCK_V):
+    # Software-pipelined: the context states of the next chunks load while this one is summed.
+    for v0 in tl.range(0, DV, BLOCK_V, num_stages=V_STAGES):
         dv = v0 + tl.arange(0, BLOCK_V)
         vmask = dv < DV
-        if not ONE_CHUNK:
-            ctx = _context_chunk(
-                CO, CLSE, t, h, hmask, v0, m_c, NC, DV, sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, BLOCK_H, BLOCK_V
-            )  # fmt: skip
+        ctx = _context_chunk(
+            CO, CLSE, t, h, hmask, v0, m_c, NC, DV, sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, BLOCK_H, BLOCK_V
+        )  # fmt: skip
         acc = ctx * fix[:, None]
         v = tl.load(V + rows0[:, None] * sv_t + kvh * sv_h + dv[None, :], mask=kmask0[:, None] & vmask[None, :],
                     other=0.0)  # fmt: skip
         if DOT_F32:
             v = v.to(tl.float32)
         fresh = tl.dot(p0.to(v.dtype), v, input_precision=PRECISION)
-        for n0 in range(BLOCK_N, n_keys, BLOCK_N):  # requests of more than BLOCK_N tokens: scores again
-            s, rows, kmask = _key_block(
-                Q, K, MASK, t, h, hmask, kvh, start, j, b, n0, n_keys, D, scale, sq_t, sq_h, sk_t, sk_h, sm_b, sm_q,
-                HAS_MASK, PRECISION, DOT_F32, BLOCK_H, BLOCK_N, BLOCK_D,
-            )  # fmt: skip
-            v = tl.load(V + rows[:, None] * sv_t + kvh * sv_h + dv[None, :], mask=kmask[:, None] & vmask[None, :],
-                        other=0.0)  # fmt: skip
-            if DOT_F32:
-                v = v.to(tl.float32)
-            fresh += tl.dot(tl.exp(s - m[:, None]).to(v.dtype), v, input_precision=PRECISION)
+        if LONG:  # requests of more than BLOCK_N tokens: their scores again
+            for n0 in range(BLOCK_N, n_keys, BLOCK_N):
+                s, rows, kmask = _key_block(
+                    Q, K, MASK, t, h, hmask, kvh, start, j, b, n0, n_keys, D, scale, sq_t, sq_h, sk_t, sk_h, sm_b,
+                    sm_q, HAS_MASK, PRECISION, DOT_F32, BLOCK_H, BLOCK_N, BLOCK_D,
+                )  # fmt: skip
+                v = tl.load(V + rows[:, None] * sv_t + kvh * sv_h + dv[None, :],
+                            mask=kmask[:, None] & vmask[None, :], other=0.0)  # fmt: skip
+                if DOT_F32:
+                    v = v.to(tl.float32)
+                fresh += tl.dot(tl.exp(s - m[:, None]).to(v.dtype), v, input_precision=PRECISION)
         out = (acc + fresh * inv[:, None]).to(OUT.dtype.element_ty)
         tl.store(OUT + t * so_t + h[:, None] * so_h + dv[None, :], out, mask=hmask[:, None] & vmask[None, :])
     tl.store(OUT_LSE + t * sol_t + h * sol_h, m + tl.log(den), mask=hmask)
@@ -187,6 +186,8 @@ def query_merge_triton(
     num_warps: int | None = None,
     block_d: int | None = None,
     block_v: int | None = None,
+    v_stages: int | None = None,
+    max_q_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal (or tree-masked) attention over the fresh K/V, merged with context states.
 
@@ -196,10 +197,14 @@ def query_merge_triton(
     ctx_o: (K, T, H, Dv) any float dtype; ctx_lse: (K, T, H) float32 — the
         context states to merge (K >= 0).
     returns o (T, H, Dv) out_dtype, lse (T, H) float32.
-    block_h, num_warps, block_d, block_v: launch shape (heads and warps per
-        program, chunks of the head dim for the scores and of the value dim for
-        the output; powers of two >= 16); None picks the default
-        (benchmarks/query_merge_sweep.py measures them).
+    block_h, num_warps, block_d, block_v, v_stages: launch shape (heads and
+        warps per program, chunks of the head dim for the scores and of the
+        value dim for the output, powers of two >= 16; value chunks in flight
+        at once); None picks the default (benchmarks/query_merge_sweep.py
+        measures them).
+    max_q_len: the most tokens of one request the launch serves; None:
+        plan.max_q_len. A CUDA graph replayed after other plans needs the most
+        of any of them (requests of more than 16 tokens take a slower variant).
     No host synchronisation; capturable in a CUDA graph.
     """
     t, h, d = q.shape
@@ -213,18 +218,23 @@ def query_merge_triton(
     g = h // hk
     # tl.dot needs blocks of >= 16 rows and columns: fewer heads or dims are padded (masked).
     # Defaults measured on H200s (benchmarks/query_merge_sweep.py, docs/performance.md): below 64
-    # heads per KV head, 16 heads per program and the value dims in one chunk (the context states
-    # then load before the scores); from 64 on, 64 heads and value chunks of 128 (25.5 vs 28.6 us
-    # at 128 heads for the kernel that kept whole (heads x D) tiles in registers). Rejected after
-    # measuring (benchmarks/results/): value dims split over programs (each recomputes the scores),
-    # fresh keys loaded ahead with a programmatic dependent launch, the next value chunk's context
-    # states loaded one chunk ahead (two live tiles: 29.7 vs 21.3 us at 128 heads).
+    # heads per KV head, 16 heads per program and the value dims in one chunk; from 64 on, 64 heads,
+    # value chunks of 128 and three in flight (17.7 vs 21.6 us at 128 heads, B = 32, Q = 4, for the
+    # kernel without pipelining). Rejected after measuring (benchmarks/results/): value dims split
+    # over programs (each recomputes the scores), fresh keys loaded ahead with a programmatic
+    # dependent launch, the next chunk loaded ahead by hand (two live tiles in registers), a
+    # softmax launch then a streaming merge launch (20.4 vs 17.7 us with one context state, 27.3 vs
+    # 28.5 with two: not worth a second kernel).
     wide = g >= 64
     block_h = block_h or (64 if wide else 16)
     block_d = block_d or (64 if wide else 128)
     whole_v = max(16, triton.next_power_of_2(dv))
     block_v = block_v or (min(128, whole_v) if wide else whole_v)
+    v_stages = v_stages or (3 if wide else 2)
     num_warps = num_warps or 4
+    max_q_len = plan.max_q_len if max_q_len is None else max_q_len
+    if max_q_len < plan.max_q_len:  # the short variant would drop keys past the 16th
+        raise ValueError(f"expected max_q_len >= {plan.max_q_len} (the plan's longest request), got {max_q_len}")
     nblk = triton.cdiv(g, block_h)
     out = torch.empty((t, h, dv), dtype=out_dtype, device=q.device)
     out_lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
@@ -245,6 +255,6 @@ def query_merge_triton(
             # Triton's interpreter multiplies bf16 dot operands as raw bits (triton-lang/triton#11584): upcast there.
             DOT_F32=q.device.type == "cpu",
             BLOCK_H=block_h, BLOCK_N=16, BLOCK_D=block_d, BLOCK_V=block_v,
-            ONE_CHUNK=block_v >= dv, num_warps=num_warps,
+            LONG=max_q_len > 16, V_STAGES=v_stages, num_warps=num_warps, num_stages=4,
         )  # fmt: skip
     return out, out_lse
