@@ -43,8 +43,8 @@ if [ "$part" = grid ]; then
   jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
   stamp "fused kernel launch-shape sweep, Q=4 (FlashInfer builds in the background)"
   prev=(); [ -f benchmarks/_query_merge_prev.py ] && prev=(--prev benchmarks/_query_merge_prev.py)
-  timeout 170 python3 benchmarks/query_merge_sweep.py --q-len 4 --block-h 16 32 64 --block-d 64 128 256 \
-    --block-v 128 512 "${prev[@]}" --out "$OUT/query_merge_sweep.json"
+  timeout 170 python3 benchmarks/query_merge_sweep.py --q-len 4 8 --block-h 16 64 --block-d 64 128 \
+    --block-v 128 512 --v-stages 2 3 "${prev[@]}" --out "$OUT/query_merge_sweep.json"
   stamp "Triton kernel tests on CUDA"
   timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
     --timeout 70 2>&1 | grep -v "^SKIPPED" | tail -4

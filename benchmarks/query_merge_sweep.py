@@ -2,8 +2,9 @@
 
 For MLA (576/512, one latent KV head) at B requests of Q tokens, times the
 kernel alone, under a CUDA graph (twostage_mla.bench.time_many), for every
-launch shape (heads and warps per program, head-dim and value-dim chunks), merging with K context states
-(K = 1: N = 1 or ag_rs; K = 2: a2a with N = 2). Prints the best per shape.
+launch shape (heads and warps per program, head-dim and value-dim chunks,
+value chunks in flight), merging with K context states (K = 1: N = 1 or
+ag_rs; K = 2: a2a with N = 2). Prints the best per shape.
 
     python benchmarks/query_merge_sweep.py --out sweep.json
 """
@@ -42,8 +43,12 @@ def _inputs(b: int, q: int, h: int, k_states: int, dev: torch.device) -> tuple:
 
 def _launches(args: argparse.Namespace, heads: int) -> list[dict]:
     """Every launch shape of the grid that fits the heads (no block of heads past max(16, heads))."""
-    grid = itertools.product(args.block_h, args.warps, args.block_d, args.block_v)
-    return [dict(block_h=bh, num_warps=w, block_d=bd, block_v=bv) for bh, w, bd, bv in grid if bh <= max(16, heads)]
+    grid = itertools.product(args.block_h, args.warps, args.block_d, args.block_v, args.v_stages)
+    return [
+        dict(block_h=bh, num_warps=w, block_d=bd, block_v=bv, v_stages=vs)
+        for bh, w, bd, bv, vs in grid
+        if bh <= max(16, heads)
+    ]
 
 
 def main() -> None:
@@ -56,6 +61,7 @@ def main() -> None:
     p.add_argument("--warps", type=int, nargs="+", default=[4])
     p.add_argument("--block-d", type=int, nargs="+", default=[64, 128])
     p.add_argument("--block-v", type=int, nargs="+", default=[128, 256, 512])
+    p.add_argument("--v-stages", type=int, nargs="+", default=[2, 3])
     p.add_argument("--prev", default=None, help="a module path holding an earlier query_merge_triton to time too")
     p.add_argument("--out", default="query_merge_sweep.json")
     args = p.parse_args()
@@ -83,7 +89,7 @@ def main() -> None:
             assert torch.allclose(o.float(), ref[0].float(), atol=2e-2) and torch.allclose(lse, ref[1], atol=1e-4)
             fns["prev"] = lambda x=x: prev.query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16)
         for name, (us, _) in time_many(fns, budget_s=0.2).items():
-            keys = ("block_h", "num_warps", "block_d", "block_v")
+            keys = ("block_h", "num_warps", "block_d", "block_v", "v_stages")
             shape = dict(zip(keys, map(int, name.split(",")))) if "," in name else {}
             rows.append(dict(B=args.batch, Q=q, heads=h, states=k, launch=name, **shape, time_us=us))
         mine = [r for r in rows if (r["Q"], r["heads"], r["states"]) == (q, h, k)]
