@@ -13,10 +13,12 @@
 #                                           # tests and layer tests against the oracle, bench B=32 fused vs unfused
 #   bash benchmarks/gpu_verify.sh grid      # one GPU: a short launch-shape sweep, kernel tests, the whole
 #                                           # bench grid (fused default and unfused), twostage-mla check
+#   bash benchmarks/gpu_verify.sh tests     # kernel tests, the whole one-GPU test file, the two-GPU NCCL test
+#                                           # where there are two GPUs, twostage-mla check
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
-part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid}
+part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|tests}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export MAX_JOBS=16 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TQDM_MININTERVAL=30
@@ -54,6 +56,26 @@ if [ "$part" = grid ]; then
   timeout 230 python3 -m twostage_mla bench --unfused --out "$OUT/bench_grid.json" 2>&1 | tail -160
   stamp check
   timeout 100 python3 -m twostage_mla check 2>&1 | tail -16
+elif [ "$part" = tests ]; then
+  jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
+  stamp "Triton kernel tests on CUDA (FlashInfer builds in the background)"
+  timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
+    --timeout 70 2>&1 | grep -v "^SKIPPED" | tail -4
+  for p in "${pids[@]}"; do wait "$p"; done
+  grep -h "ready\|Error" "$OUT/jit.log" | tail -n 4
+  stamp "the whole one-GPU test file (log: gpu_tests.log)"
+  timeout 270 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
+    --timeout 200 > "$OUT/gpu_tests.log" 2>&1
+  grep -v "^SKIPPED" "$OUT/gpu_tests.log" | tail -8
+  if [ "$ngpu" -ge 2 ]; then
+    stamp "two-GPU NCCL test"
+    timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_backends_gpu.py -k two_gpus --timeout 190 \
+      > "$OUT/two_gpus.log" 2>&1
+    grep "rank .: \|passed\|failed\|Error\|assert" "$OUT/two_gpus.log" | tail -14
+  fi
+  stamp check
+  timeout 150 python3 -m twostage_mla check > "$OUT/check.log" 2>&1
+  echo "rc=$?"; grep -v skipped "$OUT/check.log" | tail -16
 elif [ "$part" = kernel ]; then
   jit "mla bfloat16"
   stamp "fused kernel launch-shape sweep (FlashInfer builds in the background)"

@@ -219,18 +219,20 @@ def query_merge_triton(
     # tl.dot needs blocks of >= 16 rows and columns: fewer heads or dims are padded (masked).
     # Defaults measured on H200s (benchmarks/query_merge_sweep.py, docs/performance.md): below 64
     # heads per KV head, 16 heads per program and the value dims in one chunk; from 64 on, 64 heads,
-    # value chunks of 128 and three in flight (17.7 vs 21.6 us at 128 heads, B = 32, Q = 4, for the
-    # kernel without pipelining). Rejected after measuring (benchmarks/results/): value dims split
-    # over programs (each recomputes the scores), fresh keys loaded ahead with a programmatic
-    # dependent launch, the next chunk loaded ahead by hand (two live tiles in registers), a
-    # softmax launch then a streaming merge launch (20.4 vs 17.7 us with one context state, 27.3 vs
-    # 28.5 with two: not worth a second kernel).
+    # value chunks of 128, three in flight with one context state and two with more (their tiles
+    # share the shared memory). At 128 heads, B = 32, Q = 4: 17.8 vs 22.2 us for the kernel without
+    # pipelining with one state; 27.8 (two in flight) vs 29.8 (three) vs 30.3 with two states.
+    # Rejected after measuring (benchmarks/results/): value dims split over programs (each
+    # recomputes the scores), fresh keys loaded ahead with a programmatic dependent launch, the
+    # next chunk loaded ahead by hand (two live tiles in registers), a softmax launch then a
+    # streaming merge launch (20.4 vs 17.7 us with one state, 27.3 vs 28.5 with two: not worth a
+    # second kernel).
     wide = g >= 64
     block_h = block_h or (64 if wide else 16)
     block_d = block_d or (64 if wide else 128)
     whole_v = max(16, triton.next_power_of_2(dv))
     block_v = block_v or (min(128, whole_v) if wide else whole_v)
-    v_stages = v_stages or (3 if wide else 2)
+    v_stages = v_stages or (3 if wide and ctx_o.shape[0] == 1 else 2)
     num_warps = num_warps or 4
     max_q_len = plan.max_q_len if max_q_len is None else max_q_len
     if max_q_len < plan.max_q_len:  # the short variant would drop keys past the 16th
