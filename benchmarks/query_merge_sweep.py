@@ -84,6 +84,12 @@ def main() -> None:
                 *x, scale=0.1, out_dtype=torch.bfloat16, **kw
             )
         fns["default"] = lambda x=x: query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16)
+        # The default launch reading a causal mask, as under capture limits with max_q_len <= 16.
+        causal = torch.ones(q, q, dtype=torch.bool, device=dev).tril().expand(args.batch, q, q).contiguous()
+        xm = (*x[:3], SimpleNamespace(**{**vars(x[3]), "query_mask": causal}), *x[4:])
+        o, lse = query_merge_triton(*xm, scale=0.1, out_dtype=torch.bfloat16)
+        assert torch.allclose(o.float(), ref[0].float(), atol=2e-2) and torch.allclose(lse, ref[1], atol=1e-4)
+        fns["default+mask"] = lambda xm=xm: query_merge_triton(*xm, scale=0.1, out_dtype=torch.bfloat16)
         if prev is not None:
             o, lse = prev.query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16)
             assert torch.allclose(o.float(), ref[0].float(), atol=2e-2) and torch.allclose(lse, ref[1], atol=1e-4)
@@ -97,6 +103,7 @@ def main() -> None:
         named = {r["launch"]: r["time_us"] for r in mine}
         print(
             f"Q={q} heads={h} states={k}: default {named['default']:.1f} us"
+            + f", with a causal mask {named['default+mask']:.1f}"
             + (f", prev {named['prev']:.1f}" if "prev" in named else "")
             + "; best "
             + ", ".join(f"({r['launch']}) {r['time_us']:.1f}" for r in best[:4]),

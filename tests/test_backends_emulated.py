@@ -168,35 +168,50 @@ def test_flashinfer_stale_plan_and_capture_limits(emulated):
     assert torch.allclose(out.double(), ref_o, atol=1e-5)
 
 
-def test_capture_limits_with_the_fused_query_pass(emulated):
-    # The fused kernel (Triton's interpreter here) reads token offsets that a graph captured
-    # at one step must find refilled at the next: same T, other q_lens, a fixed buffer.
-    pytest.importorskip("triton")
+def _fused(attn):
     from twostage_mla.kernels.query_merge import query_merge_triton
 
-    cfg = _config(True, 16)
-    limits = CaptureLimits(max_batch_size=2, max_tokens=8, max_pages=8)
-    attn = _layer("flashinfer", cfg, DCPLayout(), limits)
     attn.query_merge, attn.backend.query_pass = query_merge_triton, False  # what fuse_query picks on CUDA
+    return attn
+
+
+def test_capture_limits_with_the_fused_query_pass(emulated):
+    # The fused kernel (Triton's interpreter here) reads the step's indices and tree mask, which a
+    # graph captured at one step must find refilled at the next: same B and T, other q_lens, a
+    # tree step after chains (requests of up to 16 tokens: one fixed mask, causal on chains).
+    pytest.importorskip("triton")
+    cfg = _config(True, 16)
+    attn = _fused(_layer("flashinfer", cfg, DCPLayout(), CaptureLimits(max_batch_size=2, max_tokens=8, max_pages=8)))
     steps = [
         synthetic.make_step([10, 30], ql, heads=4, head_dim=80, head_dim_v=64, tree=tree, seed=i)
-        for i, (ql, tree) in enumerate((([2, 6], False), ([5, 3], False), ([5, 3], True)))
+        for i, (ql, tree) in enumerate((([2, 6], False), ([5, 3], False), ([5, 3], True), ([1, 7], True)))
     ]
     xs = [synthetic.rank_inputs(s, DCPLayout(), 16, mla=True, dtype=torch.float32, device="cpu") for s in steps]
-    plans = [attn.plan(x.query_start_loc, x.seq_lens, x.block_table) for x in xs[:2]]
-    assert plans[0].token_offset.data_ptr() == plans[1].token_offset.data_ptr()  # one buffer, refilled
-    assert plans[1].token_offset.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
-    out = attn(xs[1].q, xs[1].k, None, xs[1].k_cache, None, plans[1])
-    ref_o, _ = synthetic.oracle(steps[1], cfg.scale)
-    assert torch.allclose(out.double(), ref_o, atol=1e-5)
+    plans = []
+    for s, x in zip(steps, xs):
+        plans.append(attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents))
+        if x.parents is None:  # a chain: the causal mask
+            assert plans[-1].query_mask[0].tolist() == torch.ones(8, 8, dtype=torch.bool).tril().tolist()
+        out = attn(x.q, x.k, None, x.k_cache, None, plans[-1])
+        assert torch.allclose(out.double(), synthetic.oracle(s, cfg.scale)[0], atol=1e-5)
+    for name in ("token_offset", "token_request", "query_start_loc", "query_mask"):  # one buffer each, refilled
+        assert len({getattr(p, name).data_ptr() for p in plans}) == 1, name
+    assert plans[-1].token_offset.tolist() == [0, 0, 1, 2, 3, 4, 5, 6]
     with pytest.raises(ValueError, match="latest plan"):
         attn(xs[0].q, xs[0].k, None, xs[0].k_cache, None, plans[0])
-    with pytest.raises(ValueError, match="no tree parents with capture limits"):
-        attn.plan(xs[2].query_start_loc, xs[2].seq_lens, xs[2].block_table, parents=xs[2].parents)
     # The kernel compiled for requests of up to max_q_len tokens: a longer one is refused.
-    tight = _layer("flashinfer", cfg, DCPLayout(), CaptureLimits(2, 8, 8, max_q_len=4))
+    tight = _fused(_layer("flashinfer", cfg, DCPLayout(), CaptureLimits(2, 8, 8, max_q_len=4)))
     with pytest.raises(ValueError, match=r"at most max_q_len = 4 tokens \(capture limits\), got one of 5"):
         tight.plan(xs[1].query_start_loc, xs[1].seq_lens, xs[1].block_table)
+    # No fixed mask where requests may be longer than 16 tokens, or the query pass is the backend's.
+    long = _fused(_layer("flashinfer", cfg, DCPLayout(), CaptureLimits(2, 32, 8)))
+    unfused = _layer("flashinfer", cfg, DCPLayout(), CaptureLimits(2, 8, 8))
+    for layer, why in ((long, "fused=True, max_q_len = 32"), (unfused, "fused=False, max_q_len = 8")):
+        with pytest.raises(ValueError, match=f"no tree parents with capture limits .*got {why}"):
+            layer.plan(xs[2].query_start_loc, xs[2].seq_lens, xs[2].block_table, parents=xs[2].parents)
+    x = xs[1]
+    out = long(x.q, x.k, None, x.k_cache, None, long.plan(x.query_start_loc, x.seq_lens, x.block_table))
+    assert torch.allclose(out.double(), synthetic.oracle(steps[1], cfg.scale)[0], atol=1e-5)
 
 
 def test_capture_limits_are_checked():

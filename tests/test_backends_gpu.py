@@ -220,7 +220,8 @@ def test_flashinfer_graph_replays_after_a_new_plan(fmt, fuse, max_tokens):
     """Capture limits: one graph, captured for step A, replayed after plan(B) gives B's answer.
 
     Same B and T, other q_lens and contexts: every per-step index the graph reads must be refilled.
-    max_tokens 32 (requests may have more than 16 tokens): the fused kernel's long variant.
+    max_tokens 32 (requests may have more than 16 tokens): the fused kernel's long variant. With the
+    fused kernel and max_tokens 16, a tree step too: the graph was captured at a chain step.
     """
     cfg = _config(fmt, 16 if fmt == "mla" else 8, 64)
     if "flashinfer" not in _serving(cfg, torch.bfloat16):
@@ -236,9 +237,15 @@ def test_flashinfer_graph_replays_after_a_new_plan(fmt, fuse, max_tokens):
             kv_heads=cfg.num_kv_heads,
             mla=mla,
             dtype=dt,
+            tree=tree,
             seed=s,
         )
-        for s, c, ql in ((0, [100, 0, 900, 3000], [4, 2, 1, 5]), (1, [2500, 64, 0, 700], [1, 6, 3, 2]))
+        for s, c, ql, tree in (
+            (0, [100, 0, 900, 3000], [4, 2, 1, 5], False),
+            (1, [2500, 64, 0, 700], [1, 6, 3, 2], False),
+            (2, [300, 5000, 17, 0], [3, 4, 2, 3], True),
+        )
+        if not tree or (fuse and max_tokens <= 16)
     ]
     xs = [synthetic.rank_inputs(s, DCPLayout(), 64, mla=mla, dtype=dt, device=DEV) for s in steps]
     pages = max(x.k_cache.shape[0] for x in xs)
@@ -266,7 +273,7 @@ def test_flashinfer_graph_replays_after_a_new_plan(fmt, fuse, max_tokens):
             svc[: x.v_cache.shape[0]].copy_(x.v_cache)
         bt = torch.zeros(4, width, dtype=torch.int32, device=DEV)
         bt[:, : x.block_table.shape[1]] = x.block_table
-        return attn.plan(x.query_start_loc, x.seq_lens, bt)
+        return attn.plan(x.query_start_loc, x.seq_lens, bt, parents=x.parents)
 
     plan = load(xs[0])
     g, out = _graph(lambda: attn(sq, sk, sv, skc, svc, plan))

@@ -101,13 +101,14 @@ class TwoStageAttention:
         one step's context pass reads on rank 0, the most of any rank); with
         all three given, the layer and its backend keep every per-step index
         they read in fixed buffers, so a graph captured once replays correctly
-        after later plans of the same B and T (tree steps are refused then).
-        Only a backend that can do so serves them (flashinfer); a plan stays
+        after later plans of the same B and T. Only a backend that can do so serves them (flashinfer); a plan stays
         valid until the next plan() of the layer that made it. Without them a
         captured graph is valid for the plan it was captured with.
     max_q_len: with those three, the most tokens of one request in any step
-        (default max_tokens); <= 16 (speculative decoding) lets the fused
-        query pass use its faster variant under a graph replayed across steps.
+        (default max_tokens). With the fused query pass and max_q_len <= 16
+        (speculative decoding), one graph serves causal and tree steps alike
+        and uses the kernel's faster variant; otherwise tree steps are refused
+        under capture limits.
     fuse_query: True runs the query pass inside the final merge (one Triton
         kernel, :mod:`twostage_mla.kernels.query_merge`) instead of the
         backend's own query pass plus a merge; needs CUDA, Triton and bf16
@@ -187,10 +188,10 @@ class TwoStageAttention:
             )
         self.query_merge = fused if fuse_query in (None, True) else None
         self.backend.query_pass = self.query_merge is None
-        # With capture limits the fused kernel reads token offsets from here (plan() refills it),
-        # as a replayed graph reads the addresses it was captured with; and it is compiled for the
-        # longest request of any step, not of the step it was captured with.
-        self._offsets: torch.Tensor | None = None
+        # With capture limits the fused kernel reads the step's indices from fixed buffers that
+        # plan() refills (a replayed graph reads the addresses it was captured with), and it is
+        # compiled for the longest request of any step, not of the step it was captured with.
+        self._fixed: dict[str, torch.Tensor] = {}
 
     def plan(
         self,
@@ -213,11 +214,15 @@ class TwoStageAttention:
             query_start_loc, seq_lens, block_table, page_size=self.config.page_size, layout=self.layout, parents=parents
         )
         limits = self.backend.limits
-        if limits.given and parents is not None:
-            # Tree masks are per-step tensors of per-step shape: no fixed buffer holds them.
+        # Under capture limits, requests of up to 16 tokens through the fused kernel get a fixed
+        # (max_batch_size, max_q_len, max_q_len) mask, causal on causal steps: one graph serves
+        # chains and trees. Elsewhere a tree mask would be a per-step tensor a graph cannot follow.
+        masked = limits.given and self.query_merge is not None and limits.longest_request <= 16
+        if limits.given and parents is not None and not masked:
             raise ValueError(
-                "expected no tree parents with capture limits (max_batch_size, max_tokens, max_pages): "
-                "a graph replayed across steps would read the captured step's mask"
+                "expected no tree parents with capture limits (max_batch_size, max_tokens, max_pages) unless "
+                f"the query pass is fused and max_q_len <= 16, got fused={self.query_merge is not None}, "
+                f"max_q_len = {limits.longest_request}: no fixed buffer holds the mask otherwise"
             )
         if limits.given and plan.max_q_len > limits.longest_request:
             raise ValueError(
@@ -226,12 +231,31 @@ class TwoStageAttention:
             )
         state = self.backend.plan(plan)  # checks the step against the limits
         if limits.given and self.query_merge is not None:
-            if self._offsets is None:
-                self._offsets = torch.zeros(limits.max_tokens, dtype=torch.int64, device=self.device)
-            offsets = self._offsets[: plan.num_tokens]
-            offsets.copy_(plan.token_offset)
-            plan = replace(plan, token_offset=offsets)
+            plan = self._into_fixed_buffers(plan, masked)
         return replace(plan, backend=self.backend.name, backend_state=state, spec=self.spec)
+
+    def _into_fixed_buffers(self, plan: StepPlan, masked: bool) -> StepPlan:
+        """The plan with what the fused kernel reads copied into the layer's fixed buffers."""
+        limits, t, b, dev = self.backend.limits, plan.num_tokens, plan.batch_size, self.device
+        if not self._fixed:
+            n = limits.longest_request
+            self._fixed["token_offset"] = torch.zeros(limits.max_tokens, dtype=torch.int64, device=dev)
+            if masked:
+                self._fixed["token_request"] = torch.zeros(limits.max_tokens, dtype=torch.int64, device=dev)
+                self._fixed["query_start_loc"] = torch.zeros(limits.max_batch_size + 1, dtype=torch.int32, device=dev)
+                self._fixed["query_mask"] = torch.zeros(limits.max_batch_size, n, n, dtype=torch.bool, device=dev)
+        fixed = {"token_offset": self._fixed["token_offset"][:t].copy_(plan.token_offset)}
+        if masked:
+            fixed["token_request"] = self._fixed["token_request"][:t].copy_(plan.token_request)
+            fixed["query_start_loc"] = self._fixed["query_start_loc"][: b + 1].copy_(plan.query_start_loc)
+            mask = self._fixed["query_mask"][:b]
+            if plan.query_mask is None:  # a causal step: token j sees keys 0 .. j
+                mask.copy_(torch.ones(mask.shape[1:], dtype=torch.bool, device=dev).tril())
+            else:
+                q = plan.max_q_len
+                mask.zero_()[:, :q, :q].copy_(plan.query_mask)
+            fixed["query_mask"] = mask
+        return replace(plan, **fixed)
 
     def __call__(
         self,
