@@ -43,6 +43,15 @@ jit() {
   done
 }
 
+kernel_tests() {  # the Triton kernels' tests on CUDA
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
+    --timeout 90 2>&1 | grep -v "^SKIPPED" | tail -4
+}
+jit_wait() {  # the FlashInfer builds started by jit
+  for p in "${pids[@]}"; do wait "$p"; done
+  grep -h "ready\|Error" "$OUT/jit.log" | tail -n 4
+}
+
 if [ "$part" = grid ]; then
   jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
   stamp "fused kernel launch-shape sweep, Q=4 (FlashInfer builds in the background)"
@@ -50,10 +59,8 @@ if [ "$part" = grid ]; then
   timeout 170 python3 benchmarks/query_merge_sweep.py --q-len 4 8 --block-h 16 64 --block-d 64 128 \
     --block-v 128 512 --v-stages 2 3 "${prev[@]}" --out "$OUT/query_merge_sweep.json"
   stamp "Triton kernel tests on CUDA"
-  timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
-    --timeout 70 2>&1 | grep -v "^SKIPPED" | tail -4
-  for p in "${pids[@]}"; do wait "$p"; done
-  grep -h "ready\|Error" "$OUT/jit.log" | tail -n 4
+  kernel_tests
+  jit_wait
   stamp "bench: the issue's full grid, the default (fused) and the unfused path"
   timeout 230 python3 -m twostage_mla bench --unfused --out "$OUT/bench_grid.json" 2>&1 | tail -160
   stamp check
@@ -61,13 +68,11 @@ if [ "$part" = grid ]; then
 elif [ "$part" = capture ]; then
   jit "mla bfloat16" "gqa bfloat16"
   stamp "Triton kernel tests on CUDA (FlashInfer builds in the background)"
-  timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
-    --timeout 70 2>&1 | grep -v "^SKIPPED" | tail -4
+  kernel_tests
   stamp "the kernel alone: default launch, with and without a causal mask"
   timeout 120 python3 benchmarks/query_merge_sweep.py --block-h 64 --block-d 64 --block-v 128 --v-stages 2 \
     --out "$OUT/query_merge_mask.json"
-  for p in "${pids[@]}"; do wait "$p"; done
-  grep -h "ready\|Error" "$OUT/jit.log" | tail -n 2
+  jit_wait
   stamp "layer: graphs (replay after a new plan, trees under capture limits), NaN caches, empty rows"
   timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
     -k "graph or nan or empty" --timeout 150 > "$OUT/gpu_tests_capture.log" 2>&1
@@ -75,10 +80,8 @@ elif [ "$part" = capture ]; then
 elif [ "$part" = tests ]; then
   jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
   stamp "Triton kernel tests on CUDA (FlashInfer builds in the background)"
-  timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
-    --timeout 70 2>&1 | grep -v "^SKIPPED" | tail -4
-  for p in "${pids[@]}"; do wait "$p"; done
-  grep -h "ready\|Error" "$OUT/jit.log" | tail -n 4
+  kernel_tests
+  jit_wait
   stamp "the whole one-GPU test file (log: gpu_tests.log)"
   timeout 270 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
     --timeout 200 > "$OUT/gpu_tests.log" 2>&1
@@ -98,9 +101,8 @@ elif [ "$part" = kernel ]; then
   prev=(); [ -f benchmarks/_query_merge_prev.py ] && prev=(--prev benchmarks/_query_merge_prev.py)
   timeout 240 python3 benchmarks/query_merge_sweep.py --q-len 4 8 "${prev[@]}" --out "$OUT/query_merge_sweep.json"
   stamp "Triton kernel tests on CUDA"
-  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
-    --timeout 80 2>&1 | grep -v "^SKIPPED" | tail -6
-  for p in "${pids[@]}"; do wait "$p"; done
+  kernel_tests
+  jit_wait
   stamp "bench: B=32, the default (fused query pass) vs FlashInfer query pass + merge"
   timeout 150 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K --q-len 4,8 --heads 16,128 \
     --backends flashinfer --unfused --methods twostage,onepass,expand,floor --out "$OUT/bench_fused.json" 2>&1 | tail -40
@@ -117,9 +119,8 @@ elif [ "$part" = kernel ]; then
 elif [ "$part" = final ]; then
   jit "mla bfloat16" "gqa float16"
   stamp "Triton kernel tests on CUDA (FlashInfer builds in the background)"
-  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
-    --timeout 80 2>&1 | grep -v "^SKIPPED" | tail -6
-  for p in "${pids[@]}"; do wait "$p"; done
+  kernel_tests
+  jit_wait
   for dt in float32 bfloat16; do  # float32: tokens equal transformers'; bf16: flashinfer + the fused query pass
     stamp "DeepSeek-V3 real dims, $dt, N=$ngpu over NCCL"
     timeout 150 python3 examples/deepseek_v3_dcp.py --device cuda --world-size "$ngpu" --interleave 4 --real-dims \
@@ -146,8 +147,7 @@ elif [ "$part" = correct ]; then
   stamp "jit warm (background) + fused kernel launch-shape sweep on GPU 1"
   jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
   CUDA_VISIBLE_DEVICES=1 timeout 150 python3 benchmarks/query_merge_sweep.py --out "$OUT/query_merge_sweep.json"
-  for p in "${pids[@]}"; do wait "$p"; done
-  grep -h "ready\|Error" "$OUT/jit.log" | tail -n 6
+  jit_wait
 
   stamp "two-GPU NCCL test (background) + one-GPU tests (both query paths, NaN caches, graphs)"
   timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_backends_gpu.py -k two_gpus --timeout 290 \
@@ -156,8 +156,7 @@ elif [ "$part" = correct ]; then
   timeout 280 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
     --timeout 200 2>&1 | grep -v "^SKIPPED" | tail -25
   stamp "Triton kernel tests on CUDA"
-  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
-    --timeout 90 2>&1 | grep -v "^SKIPPED" | tail -6
+  kernel_tests
   wait "$two"
   stamp "two-GPU test result"
   grep "rank\|passed\|failed\|Error\|assert" "$OUT/two_gpus.log" | tail -16
@@ -177,13 +176,11 @@ else
   jit "mla bfloat16" "mla float16"
   CUDA_VISIBLE_DEVICES=$((ngpu - 1)) timeout 120 python3 benchmarks/query_merge_sweep.py \
     --out "$OUT/query_merge_sweep.json"
-  for p in "${pids[@]}"; do wait "$p"; done
-  grep -h "ready\|Error" "$OUT/jit.log" | tail -n 2
+  jit_wait
   stamp "a fresh process's first layer call, FlashInfer modules already built"
   timeout 60 python3 benchmarks/jit_warm.py mla bfloat16
   stamp "fused kernel on CUDA: kernel tests, layer tests against the oracle"
-  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
-    --timeout 50 2>&1 | grep -v "^SKIPPED" | tail -6
+  kernel_tests
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
     -k "fused-query and (flashinfer or reference)" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
   stamp "bench: B=32, the default (fused query pass) vs FlashInfer query pass + merge"
