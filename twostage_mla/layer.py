@@ -101,9 +101,10 @@ class TwoStageAttention:
         one step's context pass reads on rank 0, the most of any rank); with
         all three given, the layer and its backend keep every per-step index
         they read in fixed buffers, so a graph captured once replays correctly
-        after later plans of the same B and T. Only a backend that can do so serves them (flashinfer); a plan stays
-        valid until the next plan() of the layer that made it. Without them a
-        captured graph is valid for the plan it was captured with.
+        after later plans of the same B and T. Only a backend that can do so
+        serves them (flashinfer); a plan stays valid until the next plan() of
+        the layer that made it. Without them a captured graph is valid for the
+        plan it was captured with.
     max_q_len: with those three, the most tokens of one request in any step
         (default max_tokens). With the fused query pass and max_q_len <= 16
         (speculative decoding), one graph serves causal and tree steps alike
@@ -337,15 +338,6 @@ class TwoStageAttention:
             if self.query_merge is None:
                 out, lse = self.merge(o_c, lse_c, extra=(o_q, lse_q), out_dtype=self.dtype)
             else:  # query pass and merge in one kernel
-                out, lse = self.query_merge(
-                    q_local,
-                    k,
-                    v,
-                    plan,
-                    o_c,
-                    lse_c,
-                    scale=cfg.scale,
-                    out_dtype=self.dtype,
-                    max_q_len=self.backend.limits.longest_request,
-                )
+                out, lse = self.query_merge(q_local, k, v, plan, o_c, lse_c, scale=cfg.scale, out_dtype=self.dtype,
+                                            max_q_len=self.backend.limits.longest_request)  # fmt: skip
         return (out, lse) if return_lse else out
