@@ -16,7 +16,7 @@
 #   bash benchmarks/gpu_verify.sh tests     # kernel tests, the whole one-GPU test file, the two-GPU NCCL test
 #                                           # where there are two GPUs, twostage-mla check
 #   bash benchmarks/gpu_verify.sh capture   # one GPU: kernel tests, the kernel with and without a causal mask,
-#                                           # the layer's graph, NaN and empty-row tests
+#                                           # the layer's graph, tree, NaN and empty-row tests
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
@@ -66,16 +66,16 @@ if [ "$part" = grid ]; then
   stamp check
   timeout 100 python3 -m twostage_mla check 2>&1 | tail -16
 elif [ "$part" = capture ]; then
-  jit "mla bfloat16" "gqa bfloat16"
+  jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
   stamp "Triton kernel tests on CUDA (FlashInfer builds in the background)"
   kernel_tests
   stamp "the kernel alone: default launch, with and without a causal mask"
   timeout 120 python3 benchmarks/query_merge_sweep.py --block-h 64 --block-d 64 --block-v 128 --v-stages 2 \
     --out "$OUT/query_merge_mask.json"
   jit_wait
-  stamp "layer: graphs (replay after a new plan, trees under capture limits), NaN caches, empty rows"
-  timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-    -k "graph or nan or empty" --timeout 150 > "$OUT/gpu_tests_capture.log" 2>&1
+  stamp "layer: graphs (replay after a new plan, trees under capture limits), trees, NaN caches, empty rows"
+  timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
+    -k "graph or nan or empty or tree" --timeout 140 > "$OUT/gpu_tests_capture.log" 2>&1
   grep -v "^SKIPPED" "$OUT/gpu_tests_capture.log" | tail -8
 elif [ "$part" = tests ]; then
   jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
