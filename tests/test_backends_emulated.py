@@ -194,7 +194,7 @@ def test_capture_limits_with_the_fused_query_pass(emulated):
             assert plans[-1].query_mask[0].tolist() == torch.ones(8, 8, dtype=torch.bool).tril().tolist()
         out = attn(x.q, x.k, None, x.k_cache, None, plans[-1])
         assert torch.allclose(out.double(), synthetic.oracle(s, cfg.scale)[0], atol=1e-5)
-    for name in ("token_offset", "token_request", "query_mask"):  # one buffer each, refilled
+    for name in ("token_offset", "token_request", "query_start_loc", "query_mask"):  # one buffer each, refilled
         assert len({getattr(p, name).data_ptr() for p in plans}) == 1, name
     assert plans[-1].token_offset.tolist() == [0, 0, 1, 2, 3, 4, 5, 6]
     with pytest.raises(ValueError, match="latest plan"):

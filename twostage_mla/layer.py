@@ -216,9 +216,8 @@ class TwoStageAttention:
         )
         limits = self.backend.limits
         # Under capture limits, requests of up to 16 tokens through the fused kernel get a fixed
-        # (max_batch_size, max_q_len, max_q_len) mask, causal on causal steps, and a fixed request
-        # index: one graph serves chains and trees. Elsewhere a tree mask would be a per-step tensor
-        # a graph cannot follow.
+        # (max_batch_size, max_q_len, max_q_len) mask, causal on causal steps: one graph serves
+        # chains and trees. Elsewhere a tree mask would be a per-step tensor a graph cannot follow.
         masked = limits.given and self.query_merge is not None and limits.longest_request <= 16
         if limits.given and parents is not None and not masked:
             raise ValueError(
@@ -244,10 +243,12 @@ class TwoStageAttention:
             self._fixed["token_offset"] = torch.zeros(limits.max_tokens, dtype=torch.int64, device=dev)
             if masked:
                 self._fixed["token_request"] = torch.zeros(limits.max_tokens, dtype=torch.int64, device=dev)
+                self._fixed["query_start_loc"] = torch.zeros(limits.max_batch_size + 1, dtype=torch.int32, device=dev)
                 self._fixed["query_mask"] = torch.zeros(limits.max_batch_size, n, n, dtype=torch.bool, device=dev)
         fixed = {"token_offset": self._fixed["token_offset"][:t].copy_(plan.token_offset)}
         if masked:
             fixed["token_request"] = self._fixed["token_request"][:t].copy_(plan.token_request)
+            fixed["query_start_loc"] = self._fixed["query_start_loc"][: b + 1].copy_(plan.query_start_loc)
             mask = self._fixed["query_mask"][:b]
             if plan.query_mask is None:  # a causal step: token j sees keys 0 .. j
                 mask.copy_(torch.ones(mask.shape[1:], dtype=torch.bool, device=dev).tril())

@@ -88,8 +88,8 @@ def _softmax_stats(m, den, s):
 
 @triton.jit
 def _query_merge_kernel(
-    Q, K, V, REQ, OFF, MASK, CO, CLSE, OUT, OUT_LSE,
-    scale, G, DV, D, NC, NBLK, MW,
+    Q, K, V, REQ, OFF, QSL, MASK, CO, CLSE, OUT, OUT_LSE,
+    scale, G, DV, D, NC, NBLK,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sm_b, sm_q,
     sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, so_t, so_h, sol_t, sol_h,
     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
@@ -108,9 +108,7 @@ def _query_merge_kernel(
     b = 0
     if HAS_MASK:
         b = tl.load(REQ + t)
-        # Keys up to the mask's width (past the request's end the mask is 0), within the T tokens.
-        # Not the request's own length: that would be a load waiting on b before the keys' loads.
-        n_keys = tl.minimum(MW, tl.num_programs(0) - start)
+        n_keys = tl.load(QSL + b + 1) - start  # the whole request; the mask picks
     else:
         n_keys = j + 1  # causal: keys 0 .. j of the request
 
@@ -195,8 +193,7 @@ def query_merge_triton(
 
     q: (T, H, D); k: (T, H_kv, D); v: (T, H_kv, Dv) (may be a view of k).
         Query head h reads KV head h // (H / H_kv).
-    plan: the step's plan (token -> request, offsets, query_mask: (B, W, W) bool with
-        W >= the longest request, zero past each request's tokens).
+    plan: the step's plan (token -> request, offsets, query_start_loc, query_mask).
     ctx_o: (K, T, H, Dv) any float dtype; ctx_lse: (K, T, H) float32 — the
         context states to merge (K >= 0).
     returns o (T, H, Dv) out_dtype, lse (T, H) float32.
@@ -246,13 +243,13 @@ def query_merge_triton(
     mask = plan.query_mask
     has_mask = mask is not None
     if not has_mask:
-        mask = plan.token_offset  # never read
-    sm, mw = (mask.stride(), mask.shape[2]) if has_mask else ((0, 0, 0), 0)
+        mask = plan.query_start_loc  # never read
+    sm = mask.stride() if has_mask else (0, 0, 0)
     ctx_lse = ctx_lse.float()
     if t:
         _query_merge_kernel[(t, hk * nblk)](
-            q, k, v, plan.token_request, plan.token_offset, mask, ctx_o, ctx_lse, out, out_lse,
-            scale, g, dv, d, ctx_o.shape[0], nblk, mw,
+            q, k, v, plan.token_request, plan.token_offset, plan.query_start_loc, mask, ctx_o, ctx_lse, out, out_lse,
+            scale, g, dv, d, ctx_o.shape[0], nblk,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), sm[0], sm[1],
             ctx_o.stride(0), ctx_o.stride(1), ctx_o.stride(2), ctx_lse.stride(0), ctx_lse.stride(1), ctx_lse.stride(2),
             out.stride(0), out.stride(1), out_lse.stride(0), out_lse.stride(1),
