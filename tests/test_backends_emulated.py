@@ -177,14 +177,16 @@ def _fused(attn):
 
 def test_capture_limits_with_the_fused_query_pass(emulated):
     # The fused kernel (Triton's interpreter here) reads the step's indices and tree mask, which a
-    # graph captured at one step must find refilled at the next: same B and T, other q_lens, a
-    # tree step after chains (requests of up to 16 tokens: one fixed mask, causal on chains).
+    # graph captured at one step must find refilled at the next: same B and T, other q_lens, trees
+    # after chains and a chain after trees (requests of up to 16 tokens: one fixed mask, causal on chains).
     pytest.importorskip("triton")
     cfg = _config(True, 16)
     attn = _fused(_layer("flashinfer", cfg, DCPLayout(), CaptureLimits(max_batch_size=2, max_tokens=8, max_pages=8)))
     steps = [
         synthetic.make_step([10, 30], ql, heads=4, head_dim=80, head_dim_v=64, tree=tree, seed=i)
-        for i, (ql, tree) in enumerate((([2, 6], False), ([5, 3], False), ([5, 3], True), ([1, 7], True)))
+        for i, (ql, tree) in enumerate(
+            (([2, 6], False), ([5, 3], False), ([5, 3], True), ([1, 7], True), ([4, 4], False))
+        )
     ]
     xs = [synthetic.rank_inputs(s, DCPLayout(), 16, mla=True, dtype=torch.float32, device="cpu") for s in steps]
     plans = []
@@ -196,7 +198,7 @@ def test_capture_limits_with_the_fused_query_pass(emulated):
         assert torch.allclose(out.double(), synthetic.oracle(s, cfg.scale)[0], atol=1e-5)
     for name in ("token_offset", "token_request", "query_start_loc", "query_mask"):  # one buffer each, refilled
         assert len({getattr(p, name).data_ptr() for p in plans}) == 1, name
-    assert plans[-1].token_offset.tolist() == [0, 0, 1, 2, 3, 4, 5, 6]
+    assert plans[-1].token_offset.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
     with pytest.raises(ValueError, match="latest plan"):
         attn(xs[0].q, xs[0].k, None, xs[0].k_cache, None, plans[0])
     # The kernel compiled for requests of up to max_q_len tokens: a longer one is refused.

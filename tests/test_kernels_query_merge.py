@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -103,6 +105,48 @@ def test_bf16_output_and_bad_shapes():
     with pytest.raises(ValueError, match=r"max_q_len >= 37 \(the plan's longest request\), got 16"):
         query_merge_triton(x.q, x.k, v, plan, o_q[None], lse_q[None], scale=cfg.scale, out_dtype=torch.float32,
                            max_q_len=16)  # fmt: skip
+
+
+def test_a_wider_mask_and_bad_masks():
+    # Plans of a layer under capture limits carry a fixed mask wider than the step's requests
+    # (zero past them): the kernel and the dense query pass read only each request's square.
+    cfg, x, attn, plan, v = setup("gqa", True, torch.float32, "short")
+    wide = torch.zeros(6, 20, 20, dtype=torch.bool, device=DEVICE)
+    wide[:5, :16, :16] = plan.query_mask
+    wider = replace(plan, query_mask=wide[:5])
+    o_q, lse_q = attn.backend.query(x.q, x.k, v, plan)
+    got = attn.backend.query(x.q, x.k, v, wider)
+    torch.testing.assert_close(got, (o_q, lse_q))
+    kw = dict(scale=cfg.scale, out_dtype=torch.float32)
+    got = query_merge_triton(x.q, x.k, v, wider, o_q[None][:0], lse_q[None][:0], **kw)
+    torch.testing.assert_close(got, (o_q, lse_q), rtol=1e-5, atol=1e-5)
+    for bad in (plan.query_mask[:, :8], plan.query_mask.transpose(1, 2)):
+        with pytest.raises(ValueError, match=r"expected plan.query_mask: \(B, W, W\) = \(5, >= 16, >= 16\)"):
+            query_merge_triton(x.q, x.k, v, replace(plan, query_mask=bad), o_q[None], lse_q[None], **kw)
+
+
+def test_falls_back_to_fewer_stages_where_shared_memory_is_short(monkeypatch):
+    # The pipelining's stages were measured on H200s; a GPU with less shared memory makes Triton
+    # refuse the launch (OutOfResources), and the kernel runs again without pipelining.
+    from triton.runtime.errors import OutOfResources
+
+    import twostage_mla.kernels.query_merge as qm
+
+    cfg, x, attn, plan, v = setup("mla", False, torch.float32, "short")
+    o_q, lse_q = attn.backend.query(x.q, x.k, v, plan)
+    calls, launch = [], qm._launch
+
+    def short_of_shared_memory(grid, args, meta, *, v_stages, num_stages):
+        calls.append((v_stages, num_stages))
+        if num_stages > 1:
+            raise OutOfResources(300_000, 101_376, "shared memory")
+        launch(grid, args, meta, v_stages=v_stages, num_stages=num_stages)
+
+    monkeypatch.setattr(qm, "_launch", short_of_shared_memory)
+    kw = dict(scale=cfg.scale, out_dtype=torch.float32)
+    got = query_merge_triton(x.q, x.k, v, plan, o_q[None][:0], lse_q[None][:0], **kw)
+    torch.testing.assert_close(got, (o_q, lse_q), rtol=1e-5, atol=1e-5)
+    assert calls == [(2, 4), (1, 1)]
 
 
 def test_fuse_query_needs_cuda():

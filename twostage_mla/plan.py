@@ -50,7 +50,9 @@ class StepPlan:
     token_offset: torch.Tensor  # (T,) int64, j: index of the token within its request
     write_rows: torch.Tensor  # (W,) int64, tokens of the step this rank stores
     write_slots: torch.Tensor  # (W,) int64, their flat slots in this rank's cache
-    query_mask: torch.Tensor | None = None  # (B, max_q_len, max_q_len) bool; None = causal
+    # (B, W, W) bool, [b, j, i]: token j of request b sees fresh key i; None = causal. W = max_q_len,
+    # or wider in the plans of a layer under capture limits (a fixed buffer, causal on causal steps).
+    query_mask: torch.Tensor | None = None
     backend: str | None = None
     backend_state: Any = None
     spec: Any = None  # the AttentionSpec of the layer that planned it

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from twostage_mla.plan import StepPlan
 
@@ -242,21 +243,38 @@ def query_merge_triton(
     out_lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
     mask = plan.query_mask
     has_mask = mask is not None
-    if not has_mask:
+    if has_mask:
+        b, w = plan.query_start_loc.shape[0] - 1, plan.max_q_len
+        if mask.dim() != 3 or mask.shape[0] < b or min(mask.shape[1:]) < w or mask.stride(2) != 1:
+            raise ValueError(
+                f"expected plan.query_mask: (B, W, W) = ({b}, >= {w}, >= {w}) bool with its last dim contiguous, "
+                f"got shape {tuple(mask.shape)}, strides {mask.stride()}"
+            )
+    else:
         mask = plan.query_start_loc  # never read
     sm = mask.stride() if has_mask else (0, 0, 0)
     ctx_lse = ctx_lse.float()
-    if t:
-        _query_merge_kernel[(t, hk * nblk)](
-            q, k, v, plan.token_request, plan.token_offset, plan.query_start_loc, mask, ctx_o, ctx_lse, out, out_lse,
-            scale, g, dv, d, ctx_o.shape[0], nblk,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), sm[0], sm[1],
-            ctx_o.stride(0), ctx_o.stride(1), ctx_o.stride(2), ctx_lse.stride(0), ctx_lse.stride(1), ctx_lse.stride(2),
-            out.stride(0), out.stride(1), out_lse.stride(0), out_lse.stride(1),
-            HAS_MASK=has_mask, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            # Triton's interpreter multiplies bf16 dot operands as raw bits (triton-lang/triton#11584): upcast there.
-            DOT_F32=q.device.type == "cpu",
-            BLOCK_H=block_h, BLOCK_N=16, BLOCK_D=block_d, BLOCK_V=block_v,
-            LONG=max_q_len > 16, V_STAGES=v_stages, num_warps=num_warps, num_stages=4,
-        )  # fmt: skip
+    if not t:
+        return out, out_lse
+    args = (
+        q, k, v, plan.token_request, plan.token_offset, plan.query_start_loc, mask, ctx_o, ctx_lse, out, out_lse,
+        scale, g, dv, d, ctx_o.shape[0], nblk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), sm[0], sm[1],
+        ctx_o.stride(0), ctx_o.stride(1), ctx_o.stride(2), ctx_lse.stride(0), ctx_lse.stride(1), ctx_lse.stride(2),
+        out.stride(0), out.stride(1), out_lse.stride(0), out_lse.stride(1),
+    )  # fmt: skip
+    meta = dict(
+        HAS_MASK=has_mask, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # Triton's interpreter multiplies bf16 dot operands as raw bits (triton-lang/triton#11584): upcast there.
+        DOT_F32=q.device.type == "cpu",
+        BLOCK_H=block_h, BLOCK_N=16, BLOCK_D=block_d, BLOCK_V=block_v, LONG=max_q_len > 16, num_warps=num_warps,
+    )  # fmt: skip
+    try:
+        _launch((t, hk * nblk), args, meta, v_stages=v_stages, num_stages=4)
+    except OutOfResources:  # the stages were measured on H200s; a GPU with less shared memory runs without
+        _launch((t, hk * nblk), args, meta, v_stages=1, num_stages=1)
     return out, out_lse
+
+
+def _launch(grid: tuple[int, int], args: tuple, meta: dict, *, v_stages: int, num_stages: int) -> None:
+    _query_merge_kernel[grid](*args, **meta, V_STAGES=v_stages, num_stages=num_stages)
