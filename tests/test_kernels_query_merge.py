@@ -93,6 +93,28 @@ def test_no_context_and_very_negative_scores():
     torch.testing.assert_close(got_lse, lse_q, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_garbage_in_keys_a_token_does_not_see(tree):
+    # NaN in the fresh K/V of one token (request 2, token 5: a sibling branch in the tree, a later
+    # token in a chain) must reach only the tokens that see it, with a mask as under capture limits.
+    cfg, x, attn, plan, v = setup("mla", tree, torch.float32, "short")
+    if not tree:  # the causal mask a layer under capture limits passes on chain steps
+        w = plan.max_q_len
+        plan = replace(plan, query_mask=torch.ones(w, w, dtype=torch.bool, device=DEVICE).tril().expand(5, w, w))
+    bad = int(plan.query_start_loc[2]) + 5
+    k = x.k.clone()
+    k[bad] = float("nan")
+    ctx_o, ctx_lse = torch.randn(1, *x.q.shape[:2], v.shape[-1], device=DEVICE), torch.randn(1, *x.q.shape[:2])
+    kw = dict(scale=cfg.scale, out_dtype=torch.float32)
+    clean, _ = query_merge_triton(x.q, x.k, v, plan, ctx_o, ctx_lse.to(DEVICE), **kw)
+    dirty, _ = query_merge_triton(x.q, k, k[..., : v.shape[-1]], plan, ctx_o, ctx_lse.to(DEVICE), **kw)
+    sees = plan.query_mask[plan.token_request, plan.token_offset, bad - int(plan.query_start_loc[2])]
+    sees &= plan.token_request == 2
+    assert sees.sum() < (plan.token_request == 2).sum()  # some tokens of the request do not see it
+    torch.testing.assert_close(dirty[~sees], clean[~sees])
+    assert dirty[sees].isnan().all()
+
+
 def test_bf16_output_and_bad_shapes():
     cfg, x, attn, plan, v = setup("mla", False, torch.bfloat16)
     o_q, lse_q = attn.backend.query(x.q, x.k, v, plan)

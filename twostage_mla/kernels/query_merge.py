@@ -35,7 +35,7 @@ def _key_block(
     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Scaled scores of fresh keys n0 .. n0+BLOCK_N-1 of the request, -inf where not visible.
+    """Scaled scores of fresh keys n0 .. n0+BLOCK_N-1 of the request, -inf where not visible; their rows; visible.
 
     The head dim is read in chunks so that no (heads x D) tile sits in registers
     (with whole tiles the kernel ran at ~40 % of the copy bandwidth at 128 heads;
@@ -57,7 +57,9 @@ def _key_block(
     valid = kmask
     if HAS_MASK:
         valid = valid & (tl.load(MASK + b * sm_b + j * sm_q + i, mask=kmask, other=0) != 0)
-    return tl.where(valid[None, :], s * scale, float("-inf")), rows, kmask
+    # The visible keys, for the value loads too: an invisible key's weight is 0, but 0 * NaN is not
+    # (a later token of the request, or a tree sibling, may hold garbage such as graph padding).
+    return tl.where(valid[None, :], s * scale, float("-inf")), rows, valid
 
 
 @triton.jit
@@ -125,7 +127,7 @@ def _query_merge_kernel(
     for c in range(0, NC):
         den += tl.exp(tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")) - m_c)
     # Keys 0 .. BLOCK_N-1 hold every key of a request of up to BLOCK_N tokens: keep their scores.
-    s0, rows0, kmask0 = _key_block(
+    s0, rows0, seen0 = _key_block(
         Q, K, MASK, t, h, hmask, kvh, start, j, b, 0, n_keys, D, scale, sq_t, sq_h, sk_t, sk_h, sm_b, sm_q,
         HAS_MASK, PRECISION, DOT_F32, BLOCK_H, BLOCK_N, BLOCK_D,
     )  # fmt: skip
@@ -152,19 +154,19 @@ def _query_merge_kernel(
             CO, CLSE, t, h, hmask, v0, m_c, NC, DV, sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, BLOCK_H, BLOCK_V
         )  # fmt: skip
         acc = ctx * fix[:, None]
-        v = tl.load(V + rows0[:, None] * sv_t + kvh * sv_h + dv[None, :], mask=kmask0[:, None] & vmask[None, :],
+        v = tl.load(V + rows0[:, None] * sv_t + kvh * sv_h + dv[None, :], mask=seen0[:, None] & vmask[None, :],
                     other=0.0)  # fmt: skip
         if DOT_F32:
             v = v.to(tl.float32)
         fresh = tl.dot(p0.to(v.dtype), v, input_precision=PRECISION)
         if LONG:  # requests of more than BLOCK_N tokens: their scores again
             for n0 in range(BLOCK_N, n_keys, BLOCK_N):
-                s, rows, kmask = _key_block(
+                s, rows, seen = _key_block(
                     Q, K, MASK, t, h, hmask, kvh, start, j, b, n0, n_keys, D, scale, sq_t, sq_h, sk_t, sk_h, sm_b,
                     sm_q, HAS_MASK, PRECISION, DOT_F32, BLOCK_H, BLOCK_N, BLOCK_D,
                 )  # fmt: skip
                 v = tl.load(V + rows[:, None] * sv_t + kvh * sv_h + dv[None, :],
-                            mask=kmask[:, None] & vmask[None, :], other=0.0)  # fmt: skip
+                            mask=seen[:, None] & vmask[None, :], other=0.0)  # fmt: skip
                 if DOT_F32:
                     v = v.to(tl.float32)
                 fresh += tl.dot(tl.exp(s - m[:, None]).to(v.dtype), v, input_precision=PRECISION)
