@@ -94,23 +94,25 @@ def test_no_context_and_very_negative_scores():
 
 
 @pytest.mark.parametrize("tree", [False, True])
-def test_garbage_in_keys_a_token_does_not_see(tree):
-    # NaN in the fresh K/V of one token (request 2, token 5: a sibling branch in the tree, a later
-    # token in a chain) must reach only the tokens that see it, with a mask as under capture limits.
-    cfg, x, attn, plan, v = setup("mla", tree, torch.float32, "short")
+@pytest.mark.parametrize("lens", list(Q_LENS))
+def test_garbage_in_keys_a_token_does_not_see(tree, lens):
+    # NaN in the fresh K/V of one token (a sibling branch in the tree, a later token in a chain) must
+    # reach only the tokens that see it, with a mask as under capture limits. "long": token 20 of a
+    # 37-token request, past the first 16 keys (the long variant's loops).
+    cfg, x, attn, plan, v = setup("mla", tree, torch.float32, lens)
     if not tree:  # the causal mask a layer under capture limits passes on chain steps
         w = plan.max_q_len
         plan = replace(plan, query_mask=torch.ones(w, w, dtype=torch.bool, device=DEVICE).tril().expand(5, w, w))
-    bad = int(plan.query_start_loc[2]) + 5
+    r, j = (2, 5) if lens == "short" else (4, 20)
+    bad = int(plan.query_start_loc[r]) + j
     k = x.k.clone()
     k[bad] = float("nan")
     ctx_o, ctx_lse = torch.randn(1, *x.q.shape[:2], v.shape[-1], device=DEVICE), torch.randn(1, *x.q.shape[:2])
     kw = dict(scale=cfg.scale, out_dtype=torch.float32)
     clean, _ = query_merge_triton(x.q, x.k, v, plan, ctx_o, ctx_lse.to(DEVICE), **kw)
     dirty, _ = query_merge_triton(x.q, k, k[..., : v.shape[-1]], plan, ctx_o, ctx_lse.to(DEVICE), **kw)
-    sees = plan.query_mask[plan.token_request, plan.token_offset, bad - int(plan.query_start_loc[2])]
-    sees &= plan.token_request == 2
-    assert sees.sum() < (plan.token_request == 2).sum()  # some tokens of the request do not see it
+    sees = plan.query_mask[plan.token_request, plan.token_offset, j] & (plan.token_request == r)
+    assert sees.sum() < (plan.token_request == r).sum()  # some tokens of the request do not see it
     torch.testing.assert_close(dirty[~sees], clean[~sees])
     assert dirty[sees].isnan().all()
 
@@ -133,7 +135,7 @@ def test_a_wider_mask_and_bad_masks():
     # Plans of a layer under capture limits carry a fixed mask wider than the step's requests
     # (zero past them): the kernel and the dense query pass read only each request's square.
     cfg, x, attn, plan, v = setup("gqa", True, torch.float32, "short")
-    wide = torch.zeros(6, 20, 20, dtype=torch.bool, device=DEVICE)
+    wide = torch.ones(6, 20, 20, dtype=torch.bool, device=DEVICE)  # True outside the step's square
     wide[:5, :16, :16] = plan.query_mask
     wider = replace(plan, query_mask=wide[:5])
     o_q, lse_q = attn.backend.query(x.q, x.k, v, plan)
@@ -143,7 +145,7 @@ def test_a_wider_mask_and_bad_masks():
     got = query_merge_triton(x.q, x.k, v, wider, o_q[None][:0], lse_q[None][:0], **kw)
     torch.testing.assert_close(got, (o_q, lse_q), rtol=1e-5, atol=1e-5)
     for bad in (plan.query_mask[:, :8], plan.query_mask.transpose(1, 2)):
-        with pytest.raises(ValueError, match=r"expected plan.query_mask: \(B, W, W\) = \(5, >= 16, >= 16\)"):
+        with pytest.raises(ValueError, match=r"expected plan.query_mask: \(B, W, W\) = \(>= 5, >= 16, >= 16\)"):
             query_merge_triton(x.q, x.k, v, replace(plan, query_mask=bad), o_q[None], lse_q[None], **kw)
 
 
@@ -169,6 +171,8 @@ def test_falls_back_to_fewer_stages_where_shared_memory_is_short(monkeypatch):
     got = query_merge_triton(x.q, x.k, v, plan, o_q[None][:0], lse_q[None][:0], **kw)
     torch.testing.assert_close(got, (o_q, lse_q), rtol=1e-5, atol=1e-5)
     assert calls == [(2, 4), (1, 1)]
+    with pytest.raises(OutOfResources):  # stages the caller chose: no other launch in their place
+        query_merge_triton(x.q, x.k, v, plan, o_q[None][:0], lse_q[None][:0], v_stages=2, **kw)
 
 
 def test_fuse_query_needs_cuda():

@@ -204,7 +204,9 @@ def query_merge_triton(
         warps per program, chunks of the head dim for the scores and of the
         value dim for the output, powers of two >= 16; value chunks in flight
         at once); None picks the default (benchmarks/query_merge_sweep.py
-        measures them).
+        measures them). Where the GPU has too little shared memory for the
+        default pipelining, the kernel runs without it; chosen v_stages that
+        do not fit raise Triton's OutOfResources.
     max_q_len: the most tokens of one request the launch serves; None:
         plan.max_q_len. A CUDA graph replayed after other plans needs the most
         of any of them (requests of more than 16 tokens take a slower variant).
@@ -235,6 +237,7 @@ def query_merge_triton(
     block_d = block_d or (64 if wide else 128)
     whole_v = max(16, triton.next_power_of_2(dv))
     block_v = block_v or (min(128, whole_v) if wide else whole_v)
+    chosen_stages = v_stages is not None
     v_stages = v_stages or (3 if wide and ctx_o.shape[0] == 1 else 2)
     num_warps = num_warps or 4
     max_q_len = plan.max_q_len if max_q_len is None else max_q_len
@@ -249,7 +252,7 @@ def query_merge_triton(
         b, w = plan.query_start_loc.shape[0] - 1, plan.max_q_len
         if mask.dim() != 3 or mask.shape[0] < b or min(mask.shape[1:]) < w or mask.stride(2) != 1:
             raise ValueError(
-                f"expected plan.query_mask: (B, W, W) = ({b}, >= {w}, >= {w}) bool with its last dim contiguous, "
+                f"expected plan.query_mask: (B, W, W) = (>= {b}, >= {w}, >= {w}) bool with its last dim contiguous, "
                 f"got shape {tuple(mask.shape)}, strides {mask.stride()}"
             )
     else:
@@ -273,7 +276,10 @@ def query_merge_triton(
     )  # fmt: skip
     try:
         _launch((t, hk * nblk), args, meta, v_stages=v_stages, num_stages=4)
-    except OutOfResources:  # the stages were measured on H200s; a GPU with less shared memory runs without
+    except OutOfResources:
+        if chosen_stages:  # the caller's launch shape: say so rather than run another one
+            raise
+        # The default stages were measured on H200s; a GPU with less shared memory runs without.
         _launch((t, hk * nblk), args, meta, v_stages=1, num_stages=1)
     return out, out_lse
 
