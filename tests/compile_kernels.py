@@ -1,0 +1,59 @@
+"""Compile the library's Triton kernels for an H100/H200 (sm_90) on a machine without a GPU.
+
+Triton's CPU interpreter runs the kernels' maths in CI, but it does not check
+them the way the GPU compiler does: a kernel once passed every interpreter test
+and failed to compile on the H200 (a loop-carried index changed type). This
+compiles each variant the launchers pick, through ptxas, and prints one line
+per variant with its shared memory. Run without TRITON_INTERPRET (the test
+does so in a subprocess):
+
+    python tests/compile_kernels.py
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from twostage_mla.kernels import merge, query_merge
+
+TARGET = GPUTarget("cuda", 90, 32)
+# Pointer arguments by name, per kernel (bf16 activations, float32 lse, int64 token indices); every
+# other argument is a 32-bit int, as the launchers pass them.
+QUERY_MERGE = {
+    "Q": "*bf16", "K": "*bf16", "V": "*bf16", "REQ": "*i64", "OFF": "*i64", "QSL": "*i32", "MASK": "*i1",
+    "CO": "*bf16", "CLSE": "*fp32", "OUT": "*bf16", "OUT_LSE": "*fp32", "scale": "fp32",
+}  # fmt: skip
+MERGE = {"O_IN": "*bf16", "LSE": "*fp32", "EO": "*bf16", "ELSE": "*fp32", "OUT": "*bf16", "OUT_LSE": "*fp32"}
+
+
+def compile_one(fn, pointers: dict, constexprs: dict, num_stages: int = 3) -> int:
+    """Compile fn with these constexprs for TARGET; returns its shared memory in bytes."""
+    sig = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs=constexprs)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=num_stages)).metadata.shared
+
+
+def main() -> None:
+    # The fused query+merge kernel: the default launch shapes below and from 64 heads per KV head,
+    # with and without a mask, short and long requests; then the no-pipelining fallback.
+    shapes = {
+        "16 heads": dict(BLOCK_H=16, BLOCK_D=128, BLOCK_V=512),
+        "128 heads": dict(BLOCK_H=64, BLOCK_D=64, BLOCK_V=128),
+    }
+    for (name, shape), mask, long in itertools.product(shapes.items(), [False, True], [False, True]):
+        for v_stages, num_stages in ((2, 4), (1, 1)) if not (mask or long) else ((2, 4),):
+            cons = dict(HAS_MASK=mask, PRECISION="tf32", DOT_F32=False, BLOCK_N=16, LONG=long, V_STAGES=v_stages,
+                        **shape)  # fmt: skip
+            shared = compile_one(query_merge._query_merge_kernel, QUERY_MERGE, cons, num_stages)
+            print(f"query_merge {name} mask={mask} long={long} stages=({v_stages}, {num_stages}): {shared} B")
+    for extra in (False, True):
+        shared = compile_one(merge._merge_kernel, MERGE, dict(HAS_EXTRA=extra, BLOCK_D=512))
+        print(f"merge extra={extra}: {shared} B")
+
+
+if __name__ == "__main__":
+    main()
