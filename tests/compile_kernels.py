@@ -38,14 +38,16 @@ def compile_one(fn, pointers: dict, constexprs: dict, num_stages: int = 3) -> in
 
 
 def main() -> None:
-    # The fused query+merge kernel: the default launch shapes below and from 64 heads per KV head,
-    # with and without a mask, short and long requests; then the no-pipelining fallback.
+    # The fused query+merge kernel: the default launch shapes below and from 64 heads per KV head
+    # (value chunks in flight: 2; from 64 heads 3 with one context state), with and without a mask,
+    # short and long requests; then the no-pipelining fallback.
     shapes = {
-        "16 heads": dict(BLOCK_H=16, BLOCK_D=128, BLOCK_V=512),
-        "128 heads": dict(BLOCK_H=64, BLOCK_D=64, BLOCK_V=128),
+        "16 heads": (dict(BLOCK_H=16, BLOCK_D=128, BLOCK_V=512), (2,)),
+        "128 heads": (dict(BLOCK_H=64, BLOCK_D=64, BLOCK_V=128), (3, 2)),
     }
-    for (name, shape), mask, long in itertools.product(shapes.items(), [False, True], [False, True]):
-        for v_stages, num_stages in ((2, 4), (1, 1)) if not (mask or long) else ((2, 4),):
+    for (name, (shape, in_flight)), mask, long in itertools.product(shapes.items(), [False, True], [False, True]):
+        stages = [(v, 4) for v in in_flight] + ([(1, 1)] if not (mask or long) else [])
+        for v_stages, num_stages in stages:
             cons = dict(HAS_MASK=mask, PRECISION="tf32", DOT_F32=False, BLOCK_N=16, LONG=long, V_STAGES=v_stages,
                         **shape)  # fmt: skip
             shared = compile_one(query_merge._query_merge_kernel, QUERY_MERGE, cons, num_stages)

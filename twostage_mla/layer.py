@@ -245,13 +245,14 @@ class TwoStageAttention:
                 self._fixed["token_request"] = torch.zeros(limits.max_tokens, dtype=torch.int64, device=dev)
                 self._fixed["query_start_loc"] = torch.zeros(limits.max_batch_size + 1, dtype=torch.int32, device=dev)
                 self._fixed["query_mask"] = torch.zeros(limits.max_batch_size, n, n, dtype=torch.bool, device=dev)
+                self._fixed["causal"] = torch.ones(n, n, dtype=torch.bool, device=dev).tril()  # token j sees 0 .. j
         fixed = {"token_offset": self._fixed["token_offset"][:t].copy_(plan.token_offset)}
         if masked:
             fixed["token_request"] = self._fixed["token_request"][:t].copy_(plan.token_request)
             fixed["query_start_loc"] = self._fixed["query_start_loc"][: b + 1].copy_(plan.query_start_loc)
             mask = self._fixed["query_mask"][:b]
-            if plan.query_mask is None:  # a causal step: token j sees keys 0 .. j
-                mask.copy_(torch.ones(mask.shape[1:], dtype=torch.bool, device=dev).tril())
+            if plan.query_mask is None:  # a causal step
+                mask.copy_(self._fixed["causal"])
             else:
                 q = plan.max_q_len
                 mask.zero_()[:, :q, :q].copy_(plan.query_mask)
