@@ -14,7 +14,8 @@
 #   bash benchmarks/gpu_verify.sh grid      # one GPU: a short launch-shape sweep, kernel tests, the whole
 #                                           # bench grid (fused default and unfused), twostage-mla check
 #   bash benchmarks/gpu_verify.sh tests     # kernel tests, the whole one-GPU test file, the two-GPU NCCL test
-#                                           # where there are two GPUs, twostage-mla check
+#                                           # where there are two GPUs (and benchmarks/context_probe.py on the
+#                                           # second GPU meanwhile), twostage-mla check
 #   bash benchmarks/gpu_verify.sh capture   # one GPU: kernel tests, the kernel with and without a causal mask,
 #                                           # the layer's graph, tree, NaN and empty-row tests
 # On one GPU (nvidia-h200) speed and final skip what needs two.
@@ -82,10 +83,20 @@ elif [ "$part" = tests ]; then
   stamp "Triton kernel tests on CUDA (FlashInfer builds in the background)"
   kernel_tests
   jit_wait
+  if [ "$ngpu" -ge 2 ]; then  # the context-pass probe on the second GPU while the tests hold the first
+    CUDA_VISIBLE_DEVICES=1 timeout 200 python3 benchmarks/context_probe.py --out "$OUT/context_probe.json" \
+      > "$OUT/context_probe.log" 2>&1 &
+    probe=$!
+  fi
   stamp "the whole one-GPU test file (log: gpu_tests.log)"
-  timeout 270 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-    --timeout 200 > "$OUT/gpu_tests.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout 270 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" \
+    tests/test_backends_gpu.py --timeout 200 > "$OUT/gpu_tests.log" 2>&1
   grep -v "^SKIPPED" "$OUT/gpu_tests.log" | tail -8
+  if [ "$ngpu" -ge 2 ]; then
+    wait "$probe"
+    stamp "context-pass probe (GPU 1)"
+    cat "$OUT/context_probe.log" | tail -24
+  fi
   if [ "$ngpu" -ge 2 ]; then
     stamp "two-GPU NCCL test"
     timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_backends_gpu.py -k two_gpus --timeout 190 \
