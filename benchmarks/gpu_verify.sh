@@ -16,12 +16,14 @@
 #   bash benchmarks/gpu_verify.sh tests     # kernel tests, the whole one-GPU test file, the two-GPU NCCL test
 #                                           # where there are two GPUs (and benchmarks/context_probe.py on the
 #                                           # second GPU meanwhile), twostage-mla check
+#   bash benchmarks/gpu_verify.sh recheck   # one GPU: the kernel alone against benchmarks/_query_merge_prev.py,
+#                                           # bench at B = 32 (Q = 4, 8), twostage-mla check
 #   bash benchmarks/gpu_verify.sh capture   # one GPU: kernel tests, the kernel with and without a causal mask,
 #                                           # the layer's graph, tree, NaN and empty-row tests
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
-part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|tests|capture}
+part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|tests|recheck|capture}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export MAX_JOBS=16 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TQDM_MININTERVAL=30
@@ -127,6 +129,19 @@ elif [ "$part" = kernel ]; then
       > "$OUT/two_gpus.log" 2>&1
     grep "rank .: \|passed\|failed\|Error\|assert" "$OUT/two_gpus.log" | tail -14
   fi
+elif [ "$part" = recheck ]; then
+  jit "mla bfloat16"
+  stamp "the kernel alone: default launch (with and without a causal mask) against the one before the review fixes"
+  prev=(); [ -f benchmarks/_query_merge_prev.py ] && prev=(--prev benchmarks/_query_merge_prev.py)
+  timeout 120 python3 benchmarks/query_merge_sweep.py --block-h 64 --block-d 64 --block-v 128 --v-stages 2 \
+    "${prev[@]}" --out "$OUT/query_merge_recheck.json"
+  jit_wait
+  stamp "bench: B=32, the issue's C, Q = 4 and 8, 16 and 128 heads (FlashInfer, fused default)"
+  timeout 200 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K,128K --q-len 4,8 --heads 16,128 \
+    --backends flashinfer --out "$OUT/bench_recheck.json" 2>&1 | tail -40
+  stamp check
+  timeout 200 python3 -m twostage_mla check > "$OUT/check.log" 2>&1
+  echo "rc=$?"; grep -v skipped "$OUT/check.log" | tail -16
 elif [ "$part" = final ]; then
   jit "mla bfloat16" "gqa float16"
   stamp "Triton kernel tests on CUDA (FlashInfer builds in the background)"
