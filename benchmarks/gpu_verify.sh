@@ -16,6 +16,7 @@
 #   bash benchmarks/gpu_verify.sh tests     # kernel tests, the whole one-GPU test file, the two-GPU NCCL test
 #                                           # where there are two GPUs (and benchmarks/context_probe.py on the
 #                                           # second GPU meanwhile), twostage-mla check
+#   bash benchmarks/gpu_verify.sh bench     # one GPU: the whole bench grid alone (fused default and unfused)
 #   bash benchmarks/gpu_verify.sh recheck   # one GPU: the kernel alone against benchmarks/_query_merge_prev.py,
 #                                           # bench at B = 32 (Q = 4, 8), twostage-mla check
 #   bash benchmarks/gpu_verify.sh capture   # one GPU: kernel tests, the kernel with and without a causal mask,
@@ -23,7 +24,7 @@
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
-part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|tests|recheck|capture}
+part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|bench|tests|recheck|capture}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export MAX_JOBS=16 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TQDM_MININTERVAL=30
@@ -142,6 +143,11 @@ elif [ "$part" = recheck ]; then
   stamp check
   timeout 200 python3 -m twostage_mla check > "$OUT/check.log" 2>&1
   echo "rc=$?"; grep -v skipped "$OUT/check.log" | tail -16
+elif [ "$part" = bench ]; then
+  jit "mla bfloat16"
+  jit_wait
+  stamp "bench: the issue's full grid, the default (fused) and the unfused path"
+  timeout 400 python3 -m twostage_mla bench --unfused --out "$OUT/bench_grid.json" 2>&1 | tail -160
 elif [ "$part" = final ]; then
   jit "mla bfloat16" "gqa float16"
   stamp "Triton kernel tests on CUDA (FlashInfer builds in the background)"
