@@ -17,6 +17,8 @@
 #                                           # where there are two GPUs (and benchmarks/context_probe.py on the
 #                                           # second GPU meanwhile), twostage-mla check
 #   bash benchmarks/gpu_verify.sh bench     # one GPU: the whole bench grid alone (fused default and unfused)
+#   bash benchmarks/gpu_verify.sh main      # two GPUs: the README's demo over NCCL (both combines, I = 16), the
+#                                           # torchrun example
 #   bash benchmarks/gpu_verify.sh recheck   # one GPU: the kernel alone against benchmarks/_query_merge_prev.py,
 #                                           # bench at B = 32 (Q = 4, 8), twostage-mla check
 #   bash benchmarks/gpu_verify.sh capture   # one GPU: kernel tests, the kernel with and without a causal mask,
@@ -24,7 +26,7 @@
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
-part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|bench|tests|recheck|capture}
+part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|bench|tests|recheck|main|capture}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export MAX_JOBS=16 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TQDM_MININTERVAL=30
@@ -148,6 +150,19 @@ elif [ "$part" = bench ]; then
   jit_wait
   stamp "bench: the issue's full grid, the default (fused) and the unfused path"
   timeout 400 python3 -m twostage_mla bench --unfused --out "$OUT/bench_grid.json" 2>&1 | tail -160
+elif [ "$part" = main ]; then
+  jit "mla bfloat16"
+  jit_wait
+  for combine in a2a ag_rs; do
+    stamp "the README's main job: demo, N=2 over NCCL, combine $combine"
+    timeout 90 python3 -m twostage_mla demo --world-size 2 --combine $combine --json > "$OUT/demo_$combine.json" \
+      2> "$OUT/demo_$combine.err"
+    echo "rc=$?"; head -c 700 "$OUT/demo_$combine.json"; echo; tail -3 "$OUT/demo_$combine.err"
+  done
+  stamp "demo N=2, I=16"
+  timeout 90 python3 -m twostage_mla demo --world-size 2 --interleave 16 2>&1 | grep -v "USDT\|warn\|func(" | tail -12
+  stamp "torchrun example on 2 GPUs"
+  timeout 90 torchrun --nproc-per-node 2 examples/torchrun_dcp_step.py --cuda 2>&1 | grep "rank\|Error" | tail -4
 elif [ "$part" = final ]; then
   jit "mla bfloat16" "gqa float16"
   stamp "Triton kernel tests on CUDA (FlashInfer builds in the background)"
