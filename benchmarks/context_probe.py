@@ -47,12 +47,21 @@ def main() -> None:
         for h in a.heads:
             for q in a.q_len:
                 qx = torch.randn(b * q, h, d, generator=gen, device=dev, dtype=dt)
-                rows = _MLACall(qx, cache, torch.arange(b + 1, device=dev, dtype=torch.int32) * q, lens, table,
-                                False, scale, dv)
+                rows = _MLACall(
+                    qx, cache, torch.arange(b + 1, device=dev, dtype=torch.int32) * q, lens, table, False, scale, dv
+                )
                 fns = {"rows": rows}
                 try:
-                    folded = _MLACall(qx.view(b, q * h, d), cache, torch.arange(b + 1, device=dev, dtype=torch.int32),
-                                      lens, table, False, scale, dv)
+                    folded = _MLACall(
+                        qx.view(b, q * h, d),
+                        cache,
+                        torch.arange(b + 1, device=dev, dtype=torch.int32),
+                        lens,
+                        table,
+                        False,
+                        scale,
+                        dv,
+                    )
                     o1, o2 = rows(), folded().view(b * q, h, dv)
                     err = (o1.float() - o2.float()).abs().max().item()
                     fns["folded"] = folded
@@ -60,10 +69,22 @@ def main() -> None:
                     err = f"{type(e).__name__}: {e}"[:300]
                 res = time_many(fns)
                 for k, (us, g) in res.items():
-                    recs.append({"what": k, "B": b, "C": c, "Q": q, "heads": h, "time_us": us, "graph": g,
-                                 "gbps": kv_bytes / (us * 1e-6) / 1e9, "fold_max_abs_diff": err})
-                line = " ".join(f"{k} {us:8.1f} us ({kv_bytes / (us * 1e-6) / 1e9 / bw:5.1%})"
-                                for k, (us, _) in res.items())
+                    recs.append(
+                        {
+                            "what": k,
+                            "B": b,
+                            "C": c,
+                            "Q": q,
+                            "heads": h,
+                            "time_us": us,
+                            "graph": g,
+                            "gbps": kv_bytes / (us * 1e-6) / 1e9,
+                            "fold_max_abs_diff": err,
+                        }
+                    )
+                line = " ".join(
+                    f"{k} {us:8.1f} us ({kv_bytes / (us * 1e-6) / 1e9 / bw:5.1%})" for k, (us, _) in res.items()
+                )
                 print(f"C={c:>6} H={h:>3} Q={q}: {line}  fold diff {err}", flush=True)
                 if (h, c, q) == (16, 32768, 4):
                     for name, fn in fns.items():
@@ -71,10 +92,21 @@ def main() -> None:
                             fn()
                         torch.cuda.synchronize()
                         us = statistics.median(_events_us(fn, 30))
-                        recs.append({"what": f"{name}_back_to_back_eager", "B": b, "C": c, "Q": q, "heads": h,
-                                     "time_us": us, "gbps": kv_bytes / (us * 1e-6) / 1e9})
-                        print(f"  {name} back to back, eager: {us:.1f} us ({kv_bytes / (us * 1e-6) / 1e9 / bw:.1%})",
-                              flush=True)
+                        recs.append(
+                            {
+                                "what": f"{name}_back_to_back_eager",
+                                "B": b,
+                                "C": c,
+                                "Q": q,
+                                "heads": h,
+                                "time_us": us,
+                                "gbps": kv_bytes / (us * 1e-6) / 1e9,
+                            }
+                        )
+                        print(
+                            f"  {name} back to back, eager: {us:.1f} us ({kv_bytes / (us * 1e-6) / 1e9 / bw:.1%})",
+                            flush=True,
+                        )
                 del fns, rows
         del cache
         torch.cuda.empty_cache()

@@ -64,8 +64,24 @@ def test_demo_refuses_bad_options_before_starting_processes():
 def test_report_says_what_an_eager_collective_time_holds():
     from twostage_mla.demo import format_report
 
-    r = dict(world_size=2, interleave=1, backend="flashinfer", combine="ag_rs", dtype="bfloat16", device="GPU",
-             dist_backend="nccl", batch=2, heads_per_rank=8, context_lens=[5, 9], q_lens=[1, 2], tokens=3,
-             max_abs_err=1e-3, max_rel_err=4e-3, plan_ms=2.0, layer_ms=1.0, phase_us={"twostage.combine": 600.0})
+    r = dict(
+        world_size=2,
+        interleave=1,
+        backend="flashinfer",
+        combine="ag_rs",
+        dtype="bfloat16",
+        device="GPU",
+        dist_backend="nccl",
+        batch=2,
+        heads_per_rank=8,
+        context_lens=[5, 9],
+        q_lens=[1, 2],
+        tokens=3,
+        max_abs_err=1e-3,
+        max_rel_err=4e-3,
+        plan_ms=2.0,
+        layer_ms=1.0,
+        phase_us={"twostage.combine": 600.0},
+    )
     assert "waiting for the other ranks" in format_report(r)
     assert "waiting" not in format_report({**r, "dist_backend": "gloo"})
