@@ -19,6 +19,7 @@
 #   bash benchmarks/gpu_verify.sh bench     # one GPU: the issue's whole bench grid alone (fused default and unfused)
 #   bash benchmarks/gpu_verify.sh main      # two GPUs: the README's demo over NCCL (both combines, I = 16), the
 #                                           # torchrun example
+#   bash benchmarks/gpu_verify.sh model     # DeepSeek-V3 real dims over NCCL, float32, a chain and a tree
 #   bash benchmarks/gpu_verify.sh recheck   # one GPU: the kernel alone against benchmarks/_query_merge_prev.py,
 #                                           # bench at B = 32 (Q = 4, 8), twostage-mla check
 #   bash benchmarks/gpu_verify.sh capture   # one GPU: kernel tests, the kernel with and without a causal mask,
@@ -26,7 +27,7 @@
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
-part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|bench|tests|recheck|main|capture}
+part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|bench|tests|recheck|main|model|capture}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export MAX_JOBS=16 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TQDM_MININTERVAL=30
@@ -163,6 +164,12 @@ elif [ "$part" = main ]; then
   timeout 90 python3 -m twostage_mla demo --world-size 2 --interleave 16 2>&1 | grep -v "USDT\|warn\|func(" | tail -12
   stamp "torchrun example on 2 GPUs"
   timeout 90 torchrun --nproc-per-node 2 examples/torchrun_dcp_step.py --cuda 2>&1 | grep "rank\|Error" | tail -4
+elif [ "$part" = model ]; then
+  for opt in "--q-len 4" "--tree"; do  # float32: greedy tokens equal transformers' generate
+    stamp "DeepSeek-V3 real dims, float32, N=$ngpu over NCCL, $opt"
+    timeout 150 python3 examples/deepseek_v3_dcp.py --device cuda --world-size "$ngpu" --interleave 4 --real-dims \
+      --dtype float32 --max-new-tokens 12 $opt 2>&1 | grep -v "Warning\|warn" | tail -9
+  done
 elif [ "$part" = final ]; then
   jit "mla bfloat16" "gqa float16"
   stamp "Triton kernel tests on CUDA (FlashInfer builds in the background)"
