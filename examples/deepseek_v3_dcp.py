@@ -251,6 +251,7 @@ class DecodeResult:
     cache: list[torch.Tensor]  # this rank's shard, per layer
     block_table: torch.Tensor
     cached: list[int]
+    backend: str  # the attention backend the layer picked
 
 
 def decode(
@@ -373,6 +374,7 @@ def decode(
         [c.float().cpu() for c in m.cache.layers],
         m.cache.block_table.cpu(),
         [r.cached for r in reqs],
+        m.attn.backend.name,
     )
 
 
@@ -555,7 +557,7 @@ def main() -> None:
     dims = "DeepSeek-V3 attention dims" if a.real_dims else "tiny"
     print(
         f"DeepSeek-V3 ({dims}, random weights), DCP N={a.world_size} I={a.interleave}, {mode}, {a.combine}, "
-        f"{a.dtype} on {a.device}"
+        f"{a.dtype} on {a.device}, backend {res.backend}"
     )
     print(f"  {res.steps} steps, {res.accepted} drafts accepted")
     for kind, e in logits_error(model, res.records).items():
