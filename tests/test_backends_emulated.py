@@ -201,6 +201,18 @@ def test_capture_limits_with_the_fused_query_pass(emulated):
     assert plans[-1].token_offset.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
     with pytest.raises(ValueError, match="latest plan"):
         attn(xs[0].q, xs[0].k, None, xs[0].k_cache, None, plans[0])
+    # A plan of another B has wrappers of its own, but the layer's fixed buffers are shared: refused too.
+    one = synthetic.make_step([12], [3], heads=4, head_dim=80, head_dim_v=64, seed=9)
+    x1 = synthetic.rank_inputs(one, DCPLayout(), 16, mla=True, dtype=torch.float32, device="cpu")
+    p1 = attn.plan(x1.query_start_loc, x1.seq_lens, x1.block_table)
+    attn.plan(xs[4].query_start_loc, xs[4].seq_lens, xs[4].block_table)
+    with pytest.raises(ValueError, match="latest plan of the layer that made it"):
+        attn(x1.q, x1.k, None, x1.k_cache, None, p1)
+    # Another layer of the same config may run the latest plan (one plan per step for all layers).
+    twin = _fused(_layer("flashinfer", cfg, DCPLayout(), CaptureLimits(max_batch_size=2, max_tokens=8, max_pages=8)))
+    p1 = attn.plan(x1.query_start_loc, x1.seq_lens, x1.block_table)
+    out = twin(x1.q, x1.k, None, x1.k_cache, None, p1)
+    assert torch.allclose(out.double(), synthetic.oracle(one, cfg.scale)[0], atol=1e-5)
     # The kernel compiled for requests of up to max_q_len tokens: a longer one is refused.
     tight = _fused(_layer("flashinfer", cfg, DCPLayout(), CaptureLimits(2, 8, 8, max_q_len=4)))
     with pytest.raises(ValueError, match=r"at most max_q_len = 4 tokens \(capture limits\), got one of 5"):
@@ -219,7 +231,9 @@ def test_capture_limits_with_the_fused_query_pass(emulated):
 def test_capture_limits_are_checked():
     with pytest.raises(ValueError, match="max_tokens"):
         CaptureLimits(max_batch_size=2, max_tokens=0, max_pages=3)
-    assert not CaptureLimits(max_batch_size=2).given
+    with pytest.raises(ValueError, match="got max_batch_size without max_tokens, max_pages"):
+        CaptureLimits(max_batch_size=2)
+    assert not CaptureLimits().given and CaptureLimits(1, 2, 3).given
 
 
 def test_auto_and_forced_selection_on_cpu():

@@ -118,6 +118,9 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
     expect(TwoStageAttention, cfg, DCPLayout(world + 1, 0, 2), group=dist.group.WORLD)  # group size
     expect(TwoStageAttention, cfg, DCPLayout(world, (rank + 1) % world, 2), group=dist.group.WORLD)
     expect(TwoStageAttention, cfg, layout)  # no group
+    expect(TwoStageAttention, cfg, DCPLayout(), group=dist.group.WORLD)  # a layout of one rank, a group of more
+    expect(attn, x.q, x.k, None, x.k_cache[:1], None, plan)  # a cache with fewer pages than the table names
+    expect(plan.write_new_tokens, x.k_cache[:1], x.k)
     expect(TwoStageAttention, cfg, layout, group=dist.group.WORLD, combine="ring")
     expect(TwoStageAttention, cfg, layout, group=dist.group.WORLD, backend="nope")
     expect(
@@ -126,6 +129,11 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
         layout,
         group=dist.group.WORLD,
     )
+    # A step with no tokens (every rank has the same T): empty outputs, no collective.
+    none = attn.plan(torch.zeros(3, dtype=torch.int32), x.seq_lens - torch.tensor([2, 3], dtype=torch.int32),
+                     x.block_table)  # fmt: skip
+    o, lse = attn(x.q[:0], x.k[:0], None, x.k_cache, None, none, return_lse=True)
+    assert o.shape == (0, 2, 16) and lse.shape == (0, 2)
     # the group still works: a good call after all the bad ones
     out = attn(x.q, x.k, None, x.k_cache, None, plan)
     assert torch.isfinite(out).all()
@@ -147,6 +155,9 @@ def test_bad_input_raises_before_any_collective(world):
             r"group of size 3 .* got size 2",
             r"this process at rank [01] .* got size 2, rank [01]",
             r"process group of size 2, got group=None",
+            r"group of size 1 with this process at rank 0 \(the layout\), got size 2",
+            r"block_table page ids < k_cache.shape\[0\] = 1 \(pages of this rank's cache\), got page id \d+",
+            r"block_table page ids < cache.shape\[0\] = 1",
             r"combine in \('a2a', 'ag_rs'\), got 'ring'",
             r"backend to be 'auto' or one of .* got 'nope'",
             r"page_size to be a multiple of interleave = 2, got 3",
@@ -209,4 +220,8 @@ def test_capture_limits_need_a_backend_with_fixed_buffers():
     for backend in ("auto", "reference"):
         with pytest.raises(ValueError, match=r"reference: keeps no metadata in fixed buffers, so capture limits"):
             TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32, backend=backend, **limits)
-    TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32, max_tokens=16)  # not all three: no capture mode
+    # Some of the three without the others would silently give no fixed buffers: refused.
+    with pytest.raises(ValueError, match=r"all given or none, got max_batch_size, max_tokens without max_pages"):
+        TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32, max_batch_size=4, max_tokens=16)
+    with pytest.raises(ValueError, match=r"all given or none, got max_q_len without max_batch_size, max_tokens, max_"):
+        TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32, max_q_len=2)

@@ -33,3 +33,11 @@ def test_oracle_tree_mask_and_batches():
     rows = torch.tensor([1, 2, 3, 4, 6])
     s = torch.einsum("hd,nd->hn", q[3].double(), k[rows, 0].double()) * 0.5
     torch.testing.assert_close(o[3], torch.softmax(s, -1) @ k[rows, 0].double())
+
+
+def test_oracle_empty_batch_with_parents():
+    o, lse = oracle_attention(
+        torch.randn(0, 2, 8), torch.randn(0, 1, 8), torch.randn(0, 1, 6), torch.tensor([0]),
+        torch.tensor([], dtype=torch.int64), 0.3, parents=torch.tensor([], dtype=torch.int64),
+    )  # fmt: skip
+    assert o.shape == (0, 2, 6) and lse.shape == (0, 2)

@@ -22,7 +22,7 @@ from torch.profiler import record_function
 from twostage_mla import comm
 from twostage_mla.backends import AttentionSpec, CaptureLimits, select_backend, select_merge, select_query_merge
 from twostage_mla.layout import DCPLayout
-from twostage_mla.plan import StepPlan, plan_step
+from twostage_mla.plan import StepPlan, _check_pages, plan_step
 
 # Profiler ranges of the per-layer call, in order (cheap when no profiler runs).
 PHASES = ("twostage.query_pass", "twostage.gather_q", "twostage.context_pass", "twostage.combine", "twostage.merge")
@@ -151,9 +151,9 @@ class TwoStageAttention:
             )
         if combine not in comm.COMBINE_METHODS:
             raise ValueError(f"expected combine in {comm.COMBINE_METHODS}, got {combine!r}")
-        if layout.world_size > 1:
-            if group is None:
-                raise ValueError(f"expected a process group of size {layout.world_size}, got group=None")
+        if layout.world_size > 1 and group is None:
+            raise ValueError(f"expected a process group of size {layout.world_size}, got group=None")
+        if group is not None:  # a group that disagrees with the layout would read the wrong shard
             size, rank = dist.get_world_size(group), dist.get_rank(group)
             if (size, rank) != (layout.world_size, layout.rank):
                 raise ValueError(
@@ -193,6 +193,7 @@ class TwoStageAttention:
         # plan() refills (a replayed graph reads the addresses it was captured with), and it is
         # compiled for the longest request of any step, not of the step it was captured with.
         self._fixed: dict[str, torch.Tensor] = {}
+        self._fixed_count = [0]  # plans written into them; a plan keeps its number (StepPlan.fixed_version)
 
     def plan(
         self,
@@ -246,7 +247,11 @@ class TwoStageAttention:
                 self._fixed["query_start_loc"] = torch.zeros(limits.max_batch_size + 1, dtype=torch.int32, device=dev)
                 self._fixed["query_mask"] = torch.zeros(limits.max_batch_size, n, n, dtype=torch.bool, device=dev)
                 self._fixed["causal"] = torch.ones(n, n, dtype=torch.bool, device=dev).tril()  # token j sees 0 .. j
-        fixed = {"token_offset": self._fixed["token_offset"][:t].copy_(plan.token_offset)}
+        self._fixed_count[0] += 1
+        fixed = {
+            "token_offset": self._fixed["token_offset"][:t].copy_(plan.token_offset),
+            "fixed_version": (self._fixed_count, self._fixed_count[0]),
+        }
         if masked:
             fixed["token_request"] = self._fixed["token_request"][:t].copy_(plan.token_request)
             fixed["query_start_loc"] = self._fixed["query_start_loc"][: b + 1].copy_(plan.query_start_loc)
@@ -298,6 +303,11 @@ class TwoStageAttention:
                     else type(plan).__name__
                 )
             )
+        if plan.fixed_version is not None and plan.fixed_version[0][0] != plan.fixed_version[1]:
+            raise ValueError(
+                "expected the latest plan of the layer that made it: under capture limits its fixed buffers hold "
+                "one step's indices at a time, and plan() has been called again since this plan was made"
+            )
         cfg, t = self.config, plan.num_tokens
         if plan.page_size != cfg.page_size:
             raise ValueError(f"expected plan.page_size == {cfg.page_size}, got {plan.page_size}")
@@ -312,6 +322,11 @@ class TwoStageAttention:
         else:
             _check("v", v, (t, hk, dv), self.dtype, self.device)
             _check("v_cache", v_cache, (k_cache.shape[0], cfg.page_size, hk, dv), self.dtype, self.device)
+        _check_pages(plan, "k_cache", k_cache)  # a page past the cache would be read out of bounds
+        if t == 0:  # every rank of the group has the step's T: all return here, none waits in a collective
+            out = q.new_zeros((0, cfg.num_heads, dv))
+            lse = torch.zeros((0, cfg.num_heads), dtype=torch.float32, device=self.device)
+            return (out, lse) if return_lse else out
 
         n, q_local = self.layout.world_size, q
         if n > 1:

@@ -45,7 +45,7 @@ def oracle_attention(
     lse = torch.full((q.shape[0], h), float("-inf"), dtype=torch.float64)
     tree = None
     if parents is not None:
-        tree = _ancestor_mask(parents.cpu().long(), qsl, max(b - a for a, b in zip(qsl, qsl[1:])))
+        tree = _ancestor_mask(parents.cpu().long(), qsl, max((b - a for a, b in zip(qsl, qsl[1:])), default=0))
     start = 0
     for b in range(len(sl)):
         t0, t1, n = qsl[b], qsl[b + 1], sl[b]

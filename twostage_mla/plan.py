@@ -53,9 +53,14 @@ class StepPlan:
     # (B, W, W) bool, [b, j, i]: token j of request b sees fresh key i; None = causal. W = max_q_len,
     # or wider in the plans of a layer under capture limits (a fixed buffer, causal on causal steps).
     query_mask: torch.Tensor | None = None
+    max_page_id: int = -1  # the largest page id the step uses on this rank (-1: none), checked against caches
     backend: str | None = None
     backend_state: Any = None
     spec: Any = None  # the AttentionSpec of the layer that planned it
+    # Under capture limits with the fused kernel: (count, n), the planning layer's count of plans
+    # written into its fixed buffers ([int], shared) and this plan's number. Only the latest plan's
+    # indices are in those buffers.
+    fixed_version: Any = None
 
     def new_token_slots(self) -> torch.Tensor:
         """(T,) int64: flat slot of each new token in this rank's cache, -1 if not here."""
@@ -67,7 +72,17 @@ class StepPlan:
         cache: (P, page_size, H_kv, D), written in place; new: (T, H_kv, D), same dtype.
         No host synchronisation (indices come from the plan): call it per layer.
         """
+        _check_pages(self, "cache", cache)
         cache.view(-1, *cache.shape[2:]).index_copy_(0, self.write_slots, new.index_select(0, self.write_rows))
+
+
+def _check_pages(plan: StepPlan, name: str, cache: torch.Tensor) -> None:
+    """Raise unless every page the step uses on this rank is a page of ``cache`` (P, page_size, ...)."""
+    if plan.max_page_id >= cache.shape[0]:
+        raise ValueError(
+            f"expected block_table page ids < {name}.shape[0] = {cache.shape[0]} (pages of this rank's cache), "
+            f"got page id {plan.max_page_id}"
+        )
 
 
 def _new_token_slots(plan: StepPlan) -> torch.Tensor:
@@ -176,6 +191,8 @@ def plan_step(
             f"got {bt[b_bad, : mine[b_bad]].tolist()}"
         )
 
+    max_page_id = int(bt.masked_fill(~used, -1).max()) if bt.numel() else -1
+
     t = qsl[-1]
     ctx = [s - q for s, q in zip(sl, q_lens)]
     local_ctx = [local_len(c, n, il, r) for c in ctx]
@@ -217,6 +234,7 @@ def plan_step(
         write_rows=torch.zeros(0, dtype=torch.int64, device=device),
         write_slots=torch.zeros(0, dtype=torch.int64, device=device),
         query_mask=query_mask,
+        max_page_id=max_page_id,
     )
     slots = _new_token_slots(plan)
     rows = (slots >= 0).nonzero().flatten()  # a host sync, once per step

@@ -32,8 +32,8 @@ class CaptureLimits:
     holds the most, so every rank checks the same count).
     None everywhere (the default): buffers follow each step, and a captured
     graph stays valid only for the plan it was captured with.
-    max_q_len: tokens of one request at most (optional, read only with the
-    three above; None means max_tokens). Where it is <= 16 the fused query
+    max_q_len: tokens of one request at most (optional, only with the three
+    above; None means max_tokens). Some of the three without the others raise. Where it is <= 16 the fused query
     kernel compiles a faster variant and the layer keeps a fixed tree mask.
     """
 
@@ -47,6 +47,16 @@ class CaptureLimits:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"expected {name} to be None or a positive int, got {v!r}")
+        three = {"max_batch_size": self.max_batch_size, "max_tokens": self.max_tokens, "max_pages": self.max_pages}
+        missing = [k for k, v in three.items() if v is None]
+        # Some limits without the others would give no fixed buffers, silently: a graph replayed
+        # after another plan would then read the captured step's indices.
+        if missing and (len(missing) < 3 or self.max_q_len is not None):
+            given = [k for k, v in {**three, "max_q_len": self.max_q_len}.items() if v is not None]
+            raise ValueError(
+                f"expected capture limits max_batch_size, max_tokens and max_pages all given or none, got "
+                f"{', '.join(given)} without {', '.join(missing)}"
+            )
 
     @property
     def given(self) -> bool:
