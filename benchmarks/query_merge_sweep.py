@@ -32,6 +32,7 @@ def _inputs(b: int, q: int, h: int, k_states: int, dev: torch.device) -> tuple:
     ctx_lse = torch.randn(k_states, t, h, device=dev, dtype=torch.float32, generator=gen)
     ids = torch.arange(t, device=dev, dtype=torch.int32)
     plan = SimpleNamespace(  # the plan fields the kernel reads
+        num_tokens=t,
         token_request=ids // q,
         token_offset=ids % q,
         query_start_loc=torch.arange(0, t + 1, q, device=dev, dtype=torch.int32),

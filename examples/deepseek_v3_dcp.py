@@ -531,6 +531,16 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    for name in ("world_size", "interleave", "q_len", "chunk", "max_new_tokens", "page_size"):
+        if getattr(a, name) < 1:
+            ap.error(f"expected --{name.replace('_', '-')} >= 1, got {getattr(a, name)}")
+    if min(a.prompt_lens) < 1:
+        ap.error(f"expected --prompt-lens >= 1 each, got {a.prompt_lens}")
+    if a.page_size % a.interleave:
+        ap.error(f"expected --page-size a multiple of --interleave = {a.interleave}, got {a.page_size}")
+    if a.device == "cuda" and torch.cuda.device_count() < a.world_size:
+        ap.error(f"expected --device cuda with at least --world-size = {a.world_size} GPUs, "
+                 f"found {torch.cuda.device_count()}")  # fmt: skip
 
     # The reference: transformers in float32 on the CPU, with the weights the ranks use
     # (rounded to --dtype first, so that only the arithmetic differs).

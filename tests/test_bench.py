@@ -55,3 +55,14 @@ def test_grid_arguments():
     bench.add_arguments(p)
     a = p.parse_args(["--context", "1K,8k,32768", "--quick"])
     assert a.context == [1024, 8192, 32768] and a.quick and a.batch is None
+
+
+def test_unknown_methods_and_backends_are_refused_by_name():
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    for argv, match in (
+        (["--methods", "twostag"], r"--methods a comma list of twostage, onepass, expand, floor, got 'twostag'"),
+        (["--backends", "flashinfr"], r"--backends 'all' or a comma list of .*got \['flashinfr'\]"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            bench.run_bench(p.parse_args(argv))

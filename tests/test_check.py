@@ -16,3 +16,8 @@ def test_check_runs_reference_and_skips_with_reasons(capsys):
     with pytest.raises(SystemExit):  # argparse's error: exit 2 with the message
         main(["check", "--device", "cpu", "--dtype", "float64"])
     assert "expected --dtype in" in capsys.readouterr().err
+
+
+def test_check_refuses_a_bad_device():
+    with pytest.raises(ValueError, match="expected --device auto, cpu or cuda, got 'gpu'"):
+        run_check("gpu")

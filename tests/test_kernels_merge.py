@@ -78,3 +78,12 @@ def _layer_with_triton_merge(rank: int, world: int, combine: str) -> float:
 def test_layer_with_triton_merge():
     for combine in ("a2a", "ag_rs"):
         assert max(run_ranks(2, _layer_with_triton_merge, combine)) < 1e-5
+
+
+def test_no_states_is_the_empty_state():
+    # K = 0 and no extra: what merge_states gives, (0, -inf), not an index error.
+    o, lse = torch.randn(0, 3, 4, 8, device=DEVICE), torch.randn(0, 3, 4, device=DEVICE)
+    got_o, got_lse = merge_states_triton(o, lse, out_dtype=torch.float32)
+    ref_o, ref_lse = merge_states(o, lse)
+    torch.testing.assert_close(got_o, ref_o.float())
+    assert torch.equal(got_lse, ref_lse) and got_lse.isneginf().all()

@@ -129,6 +129,17 @@ def test_bf16_output_and_bad_shapes():
     with pytest.raises(ValueError, match=r"max_q_len >= 37 \(the plan's longest request\), got 16"):
         query_merge_triton(x.q, x.k, v, plan, o_q[None], lse_q[None], scale=cfg.scale, out_dtype=torch.float32,
                            max_q_len=16)  # fmt: skip
+    # Tokens other than the plan's (out-of-bounds reads of its indices), heads not a multiple of the
+    # KV heads (heads left unwritten), q and k of other head dims: refused, by shape.
+    t = plan.num_tokens
+    bad = (
+        (x.q[:-1], x.k[:-1], v[:-1]),
+        (x.q[:, :-1], x.k.expand(-1, 2, -1), v.expand(-1, 2, -1)),  # 3 heads over 2 KV heads
+        (x.q, x.k[..., :-1], v),
+    )
+    for q_, k_, v_ in bad:
+        with pytest.raises(ValueError, match=rf"with T = plan.num_tokens = {t} and H a multiple of H_kv"):
+            query_merge_triton(q_, k_, v_, plan, o_q[None], lse_q[None], scale=cfg.scale, out_dtype=torch.float32)
 
 
 def test_a_wider_mask_and_bad_masks():

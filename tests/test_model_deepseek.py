@@ -112,3 +112,14 @@ def test_dcp_decoding_matches_transformers(setup, world):
             # 4. the shard holds transformers' own latent cache at the positions this rank owns
             err = ex.shard_error(model, results[r][i], DCPLayout(world, r, case["interleave"]), PAGE)
             assert err < 1e-4, f"{what} rank {r}: shard vs transformers' cache abs err {err:.2e}"
+
+
+def test_bad_options_are_refused_by_name(monkeypatch, capsys):
+    for argv, msg in (
+        (["--q-len", "0"], "expected --q-len >= 1, got 0"),
+        (["--page-size", "6", "--interleave", "4"], "expected --page-size a multiple of --interleave = 4, got 6"),
+    ):
+        monkeypatch.setattr(sys, "argv", ["deepseek_v3_dcp.py", *argv])
+        with pytest.raises(SystemExit) as e:
+            ex.main()
+        assert e.value.code == 2 and msg in capsys.readouterr().err

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from twostage_mla.backends import AttentionSpec, refusals
+from twostage_mla.backends import AttentionSpec, backend_names, refusals
 from twostage_mla.backends._paged import page_lists
 from twostage_mla.layer import AttentionConfig, TwoStageAttention
 from twostage_mla.layout import DCPLayout
@@ -194,13 +194,20 @@ def _versions() -> dict:
 
 def run_bench(args: argparse.Namespace) -> list[dict]:
     """Measure the grid; returns the records (also written to args.out)."""
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    known = ("twostage", "onepass", "expand", "floor")
+    if not methods or any(m not in known for m in methods):
+        raise ValueError(f"expected --methods a comma list of {', '.join(known)}, got {args.methods!r}")
+    if args.backends != "all":
+        unknown = [n for n in args.backends.split(",") if n.strip() not in backend_names()]
+        if unknown:
+            raise ValueError(f"expected --backends 'all' or a comma list of {backend_names()}, got {unknown}")
     if not torch.cuda.is_available():
         raise ValueError("expected a CUDA GPU for bench (torch.cuda.is_available() is False)")
     grid = dict(QUICK if args.quick else FULL)
     for k in ("batch", "context", "q_len", "heads"):
         if getattr(args, k) is not None:
             grid[k] = getattr(args, k)
-    methods = args.methods.split(",")
     dt, dev, ps = torch.bfloat16, torch.device("cuda", 0), args.page_size
     dv, d = args.kv_lora_rank, args.kv_lora_rank + args.rope_dim
     scale = (128 + args.rope_dim) ** -0.5  # DeepSeek's (qk_nope 128 + rope 64)^-0.5; any positive value works
@@ -216,7 +223,17 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     def backends_for(h: int) -> list[str]:
         spec = AttentionSpec("mla", h, 1, d, dv, ps, 1, scale, dt, dev)
         ok = [n for n, why in refusals(spec).items() if not why and n != "reference"]
-        return ok if args.backends == "all" else [n for n in args.backends.split(",") if n in ok]
+        if args.backends == "all":
+            return ok
+        asked = [n.strip() for n in args.backends.split(",")]
+        for n in asked:
+            if n not in ok and (n, h) not in told:  # named, but cannot run here: say so, once
+                told.add((n, h))
+                why = "; ".join(refusals(spec)[n]) or "the bench does not time the reference"
+                print(f"bench: backend {n!r} skipped at {h} heads: {why}")
+        return [n for n in asked if n in ok]
+
+    told: set[tuple[str, int]] = set()
 
     layers: dict[tuple[str, int], TwoStageAttention] = {}
     slow: set[tuple] = set()  # (backend, B, Q, heads) that went past slow_ms: skip larger C

@@ -28,6 +28,10 @@ SHAPES = [
 
 def run_check(device: str = "auto", dtypes: tuple[str, ...] = ()) -> list[dict]:
     """Rows of (backend, shape, dtype, max_rel_err, ok | reason skipped)."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"expected --device auto, cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("expected --device cuda only where torch.cuda.is_available(), which is False here")
     dev = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     )

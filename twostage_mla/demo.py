@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
 from twostage_mla import synthetic
-from twostage_mla.backends import backend_names
+from twostage_mla.backends import AttentionSpec, backend_names, refusals
 from twostage_mla.comm import COMBINE_METHODS
 from twostage_mla.layer import PHASES, AttentionConfig, TwoStageAttention
 from twostage_mla.layout import DCPLayout
@@ -162,6 +162,8 @@ def _free_port() -> int:
 
 def run_demo(args: DemoArgs) -> dict:
     """Run the demo on ``args.world_size`` local processes; returns rank 0's report."""
+    if args.heads < 1:
+        raise ValueError(f"expected heads >= 1, got {args.heads}")
     if args.world_size < 1 or args.heads % args.world_size:
         raise ValueError(f"expected world_size >= 1 dividing heads = {args.heads}, got world_size = {args.world_size}")
     # Everything a worker would refuse is checked here, before processes start.
@@ -181,6 +183,15 @@ def run_demo(args: DemoArgs) -> dict:
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"expected dtype in ('auto', 'float32', 'bfloat16', 'float16'), got {dtype!r}")
     args = DemoArgs(**{**asdict(args), "dtype": dtype, "device": device})
+    if args.backend != "auto":  # a named backend that cannot serve here says why before processes start
+        spec = AttentionSpec(
+            "mla", args.heads // args.world_size, 1, args.kv_lora_rank + args.rope_dim, args.kv_lora_rank,
+            args.page_size, args.world_size, 1.0, getattr(torch, dtype), torch.device(device),
+        )  # fmt: skip
+        why = refusals(spec)[args.backend]
+        if why:
+            raise ValueError(f"expected a backend that can serve this demo, got backend {args.backend!r}: "
+                             + "; ".join(why))  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "result.pt")
         init = f"tcp://127.0.0.1:{_free_port()}"

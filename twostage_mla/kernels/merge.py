@@ -79,6 +79,9 @@ def merge_states_triton(
     if o.stride(-1) != 1:
         o = o.contiguous()
     lse = lse.float()
+    if extra is None and k == 0:  # no states at all: the empty state, as merge_states gives
+        o_empty = torch.zeros((t, h, dv), dtype=out_dtype or o.dtype, device=o.device)
+        return o_empty, torch.full((t, h), float("-inf"), dtype=torch.float32, device=o.device)
     if extra is None:
         eo, el = o[0], lse[0]  # never read: HAS_EXTRA is False
     else:

@@ -214,6 +214,13 @@ def query_merge_triton(
     """
     t, h, d = q.shape
     hk, dv = k.shape[1], v.shape[-1]
+    # The kernel indexes with the plan's per-token indices and h // (H / H_kv): a mismatch would read
+    # out of bounds or leave heads unwritten, so it is refused here.
+    if t != plan.num_tokens or k.shape != (t, hk, d) or v.shape != (t, hk, dv) or hk < 1 or h % hk:
+        raise ValueError(
+            f"expected q: (T, H, D), k: (T, H_kv, D), v: (T, H_kv, Dv) with T = plan.num_tokens = "
+            f"{plan.num_tokens} and H a multiple of H_kv, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     q, k, v, ctx_o = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, ctx_o))
     if ctx_o.shape[1:] != (t, h, dv) or ctx_lse.shape != ctx_o.shape[:3]:
         raise ValueError(
