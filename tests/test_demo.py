@@ -87,3 +87,9 @@ def test_report_says_what_an_eager_collective_time_holds():
     )
     assert "waiting for the other ranks" in format_report(r)
     assert "waiting" not in format_report({**r, "dist_backend": "gloo"})
+
+
+def test_demo_help_describes_every_option():
+    r = subprocess.run([sys.executable, "-m", "twostage_mla", "demo", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "token p on rank (p // I) % N" in r.stdout and "(default: a2a)" in r.stdout

@@ -12,7 +12,8 @@ from twostage_mla.demo import DemoArgs, format_report, run_demo
 
 def _add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
     for f in fields(cls):
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+        help_ = f.metadata.get("help", "").replace("%", "%%") + " (default: %(default)s)"
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default, help=help_)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import os
 import socket
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -27,24 +27,29 @@ from twostage_mla.layer import PHASES, AttentionConfig, TwoStageAttention
 from twostage_mla.layout import DCPLayout
 
 
+def _opt(default, help: str):
+    """A DemoArgs field with its --help text."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class DemoArgs:
-    world_size: int = 2
-    interleave: int = 1
-    heads: int = 16  # query heads of the model, split over the group (tensor parallel)
-    kv_lora_rank: int = 512
-    rope_dim: int = 64
-    page_size: int = 64
-    batch: int = 8
-    min_context: int = 1000
-    max_context: int = 4000
-    max_q_len: int = 8
-    dtype: str = "auto"  # auto: bfloat16 on GPUs, float32 on CPUs
-    combine: str = "a2a"
-    backend: str = "auto"
-    device: str = "auto"  # auto: cuda if there are world_size GPUs, else cpu
-    iters: int = 5
-    seed: int = 0
+    world_size: int = _opt(2, "N: ranks of the DCP group, one process each")
+    interleave: int = _opt(1, "I: consecutive tokens per rank (token p on rank (p // I) % N)")
+    heads: int = _opt(16, "query heads of the model, split over the group (tensor parallel)")
+    kv_lora_rank: int = _opt(512, "MLA latent width (V's head dim)")
+    rope_dim: int = _opt(64, "MLA rope width (K's head dim = kv_lora_rank + rope_dim)")
+    page_size: int = _opt(64, "tokens per cache page, a multiple of interleave")
+    batch: int = _opt(8, "requests in the step")
+    min_context: int = _opt(1000, "shortest context of a request, in tokens")
+    max_context: int = _opt(4000, "longest context of a request, in tokens")
+    max_q_len: int = _opt(8, "new tokens per request: 1 .. max_q_len, mixed in the batch")
+    dtype: str = _opt("auto", "auto (bfloat16 on GPUs, float32 on CPUs), float32, bfloat16 or float16")
+    combine: str = _opt("a2a", "cross-rank combine: a2a (one all-to-all) or ag_rs (all-gather + reduce-scatter)")
+    backend: str = _opt("auto", "attention backend: auto (the fastest that serves) or one by name")
+    device: str = _opt("auto", "auto (cuda if there are world_size GPUs, else cpu), cpu or cuda")
+    iters: int = _opt(5, "layer calls timed")
+    seed: int = _opt(0, "seed of the random step")
 
 
 def resolve_device(world_size: int, device: str) -> str:
