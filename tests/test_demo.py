@@ -1,6 +1,7 @@
 """The main job end to end, as a new user runs it."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -90,6 +91,9 @@ def test_report_says_what_an_eager_collective_time_holds():
 
 
 def test_demo_help_describes_every_option():
-    r = subprocess.run([sys.executable, "-m", "twostage_mla", "demo", "--help"], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "twostage_mla", "demo", "--help"],
+        capture_output=True, text=True, env={**os.environ, "COLUMNS": "250"},  # one line per option
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "token p on rank (p // I) % N" in r.stdout and "(default: a2a)" in r.stdout
