@@ -245,3 +245,14 @@ def test_auto_and_forced_selection_on_cpu():
         assert "device 'cpu' not in" in str(e.value)
     with pytest.raises(ValueError, match="kv_format 'mla' not in"):
         select_backend(spec, "torch_flash")
+
+
+def test_fa3_declares_only_the_head_dims_its_kernel_takes():
+    # FA3's mha_fwd takes a V head dim other than K's only in two ranges: others are refused at selection.
+    def spec(d, dv):
+        return AttentionSpec("gqa", 8, 2, d, dv, 16, 1, 0.1, torch.bfloat16, torch.device("cpu"))
+
+    for d, dv in ((128, 64), (256, 128)):
+        assert "differ only as" in " ".join(FlashAttn3Backend.extra_reasons(spec(d, dv)))
+    for d, dv in ((128, 128), (192, 128), (64, 256)):
+        assert FlashAttn3Backend.extra_reasons(spec(d, dv)) == []

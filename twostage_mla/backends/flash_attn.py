@@ -95,9 +95,26 @@ class FlashAttn3Backend(_FlashAttnBase):
         if spec.kv_format == "mla" and (spec.head_dim - spec.head_dim_v, spec.head_dim_v) != (64, 512):
             return [f"FA3's MLA form (qv) is for rope 64 + latent 512, got {spec.head_dim - spec.head_dim_v} + "
                     f"{spec.head_dim_v}"]
-        if spec.kv_format == "gqa" and (spec.head_dim > 256 or spec.head_dim_v > 256 or spec.head_dim % 8):
-            return [f"FA3 GQA needs head dims <= 256, multiples of 8, got {spec.head_dim}/{spec.head_dim_v}"]
+        d, dv = spec.head_dim, spec.head_dim_v
+        if spec.kv_format == "gqa" and (d > 256 or dv > 256 or d % 8):
+            return [f"FA3 GQA needs head dims <= 256, multiples of 8, got {d}/{dv}"]
+        # FA3's mha_fwd (hopper/flash_api.cpp) takes a V head dim other than K's only in these ranges.
+        if spec.kv_format == "gqa" and d != dv and not ((128 < d <= 192 and 96 < dv <= 128) or (d <= 64 and dv <= 512)):
+            return [f"FA3 takes K and V head dims that differ only as (128, 192] / (96, 128] or <= 64 / <= 512, "
+                    f"got {d}/{dv}"]  # fmt: skip
         return []
+
+    @classmethod
+    def environment_problems(cls, spec: AttentionSpec) -> list[str]:
+        out = super().environment_problems(spec)
+        # A V head dim other than K's (MLA's qv form included) is Hopper only in FA3 ("Only Hopper
+        # supports different V headdim").
+        differs = spec.kv_format == "mla" or spec.head_dim != spec.head_dim_v
+        if differs and spec.device.type == "cuda" and torch.cuda.is_available():
+            have = torch.cuda.get_device_capability(spec.device)
+            if have[0] != 9:
+                out.append(f"FA3 runs a V head dim other than K's on Hopper (sm90) only, the GPU has {have}")
+        return out
 
     def context(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan) -> State:
         """q (T, N*H, D) over the paged shard -> o (T, N*H, Dv), lse (T, N*H) float32. Graph-capturable."""

@@ -62,7 +62,7 @@ def dense_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPla
 class ReferenceBackend(AttentionBackend):
     name = "reference"
     devices = ("cpu", "cuda")
-    dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)  # no float64: its maths is float32 (not float64-exact)
     kv_formats = ("mla", "gqa")
 
     def context(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan) -> State:
