@@ -129,6 +129,12 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
         layout,
         group=dist.group.WORLD,
     )
+    # One rank's bad table: every rank raises in plan(), none goes on into a layer call alone.
+    table = x.block_table.clone()
+    if rank == 0:
+        table[0, 0] = -1
+    expect(attn.plan, x.query_start_loc, x.seq_lens, table)
+    expect(attn.plan, x.query_start_loc, x.seq_lens, x.block_table, num_pages=1)
     # A step with no tokens (every rank has the same T): empty outputs, no collective.
     none = attn.plan(torch.zeros(3, dtype=torch.int32), x.seq_lens - torch.tensor([2, 3], dtype=torch.int32),
                      x.block_table)  # fmt: skip
@@ -161,6 +167,8 @@ def test_bad_input_raises_before_any_collective(world):
             r"combine in \('a2a', 'ag_rs'\), got 'ring'",
             r"backend to be 'auto' or one of .* got 'nope'",
             r"page_size to be a multiple of interleave = 2, got 3",
+            r"page ids >= 0 in the first \d+ entries of block_table\[0\]|a refusal on rank\(s\) \[0\]",
+            r"block_table page ids < num_pages = 1 \(pages of this rank's cache\)",
         ]
         assert len(messages) == len(expected), messages
         for m, pattern in zip(messages, expected):

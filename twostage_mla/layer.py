@@ -202,19 +202,54 @@ class TwoStageAttention:
         block_table: torch.Tensor,
         *,
         parents: torch.Tensor | None = None,
+        num_pages: int | None = None,
     ) -> StepPlan:
         """Per-step plan, shared by every layer (see :func:`plan_step`).
 
         query_start_loc: (B+1,) int32; seq_lens: (B,) int32 global lengths
         including the step's tokens; block_table: (B, max_pages) int32;
         parents: optional (T,) int tree parents. All on this layer's device.
+        num_pages: optional, pages P of this rank's caches: page ids the step
+            uses must be below it (the layer call checks k_cache.shape[0] too).
+
+        With N > 1 the ranks of the group agree on the step here (one small
+        all-reduce): where any rank refuses its metadata, every rank raises,
+        so none goes on into a layer call that another never reaches.
         """
+        try:
+            plan = self._plan(query_start_loc, seq_lens, block_table, parents, num_pages)
+        except ValueError as e:
+            self._agree(str(e))
+            raise
+        self._agree(None)
+        return plan
+
+    def _agree(self, error: str | None) -> None:
+        """Raise on every rank where some rank of the group refused the step (no-op for N = 1)."""
+        n = self.layout.world_size
+        if n == 1:
+            return
+        flags = torch.zeros(n, dtype=torch.int32, device=self.device)
+        flags[self.layout.rank] = error is not None
+        dist.all_reduce(flags, group=self.group)
+        bad = flags.nonzero().flatten().tolist()
+        if bad and error is None:
+            raise ValueError(
+                f"expected every rank of the DCP group to accept this step's metadata, got a refusal on rank(s) "
+                f"{bad} (their error names the argument)"
+            )
+
+    def _plan(self, query_start_loc, seq_lens, block_table, parents, num_pages) -> StepPlan:
         for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):
             if isinstance(t, torch.Tensor) and t.device != self.device:
                 raise ValueError(f"expected {name} on {self.device}, got {t.device}")
         plan = plan_step(
             query_start_loc, seq_lens, block_table, page_size=self.config.page_size, layout=self.layout, parents=parents
         )
+        if num_pages is not None:
+            if not isinstance(num_pages, int) or num_pages < 1:
+                raise ValueError(f"expected num_pages to be None or a positive int, got {num_pages!r}")
+            _check_pages(plan, "num_pages", num_pages)
         limits = self.backend.limits
         # Under capture limits, requests of up to 16 tokens through the fused kernel get a fixed
         # (max_batch_size, max_q_len, max_q_len) mask, causal on causal steps: one graph serves
@@ -322,7 +357,7 @@ class TwoStageAttention:
         else:
             _check("v", v, (t, hk, dv), self.dtype, self.device)
             _check("v_cache", v_cache, (k_cache.shape[0], cfg.page_size, hk, dv), self.dtype, self.device)
-        _check_pages(plan, "k_cache", k_cache)  # a page past the cache would be read out of bounds
+        _check_pages(plan, "k_cache.shape[0]", k_cache.shape[0])  # a page past the cache would be read out of bounds
         if t == 0:  # every rank of the group has the step's T: all return here, none waits in a collective
             out = q.new_zeros((0, cfg.num_heads, dv))
             lse = torch.zeros((0, cfg.num_heads), dtype=torch.float32, device=self.device)

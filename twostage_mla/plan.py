@@ -72,15 +72,15 @@ class StepPlan:
         cache: (P, page_size, H_kv, D), written in place; new: (T, H_kv, D), same dtype.
         No host synchronisation (indices come from the plan): call it per layer.
         """
-        _check_pages(self, "cache", cache)
+        _check_pages(self, "cache.shape[0]", cache.shape[0])
         cache.view(-1, *cache.shape[2:]).index_copy_(0, self.write_slots, new.index_select(0, self.write_rows))
 
 
-def _check_pages(plan: StepPlan, name: str, cache: torch.Tensor) -> None:
-    """Raise unless every page the step uses on this rank is a page of ``cache`` (P, page_size, ...)."""
-    if plan.max_page_id >= cache.shape[0]:
+def _check_pages(plan: StepPlan, name: str, pages: int) -> None:
+    """Raise unless every page the step uses on this rank is below ``pages`` (named ``name``)."""
+    if plan.max_page_id >= pages:
         raise ValueError(
-            f"expected block_table page ids < {name}.shape[0] = {cache.shape[0]} (pages of this rank's cache), "
+            f"expected block_table page ids < {name} = {pages} (pages of this rank's cache), "
             f"got page id {plan.max_page_id}"
         )
 
