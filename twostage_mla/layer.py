@@ -1,6 +1,7 @@
 """The two-stage DCP attention layer: the one public entry point.
 
-Per step, ``plan = attn.plan(...)`` (host sync allowed, kernel plans built);
+Per step, ``plan = attn.plan(...)`` on every rank (host sync allowed, kernel plans
+built, the ranks agree the step is valid);
 per layer, ``out = attn(q, k, v, k_cache, v_cache, plan)``, which on rank r:
 
 1. query pass: q over the step's fresh K/V, causal, local heads -> (o_q, lse_q)
