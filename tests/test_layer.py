@@ -135,6 +135,8 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
         table[0, 0] = -1
     expect(attn.plan, x.query_start_loc, x.seq_lens, table)
     expect(attn.plan, x.query_start_loc, x.seq_lens, x.block_table, num_pages=1)
+    # Ranks that disagree on the step (its queries are the same on every rank): refused on all.
+    expect(attn.plan, x.query_start_loc, x.seq_lens + rank, x.block_table)
     # A step with no tokens (every rank has the same T): empty outputs, no collective.
     none = attn.plan(torch.zeros(3, dtype=torch.int32), x.seq_lens - torch.tensor([2, 3], dtype=torch.int32),
                      x.block_table)  # fmt: skip
@@ -169,6 +171,8 @@ def test_bad_input_raises_before_any_collective(world):
             r"page_size to be a multiple of interleave = 2, got 3",
             r"page ids >= 0 in the first \d+ entries of block_table\[0\]|a refusal on rank\(s\) \[0\]",
             r"block_table page ids < num_pages = 1 \(pages of this rank's cache\)",
+            r"same query_start_loc and seq_lens on every rank .*rank 0: T=5 B=2 sum\(seq_lens\)=19, rank 1: T=5 B=2 "
+            r"sum\(seq_lens\)=21",
         ]
         assert len(messages) == len(expected), messages
         for m, pattern in zip(messages, expected):

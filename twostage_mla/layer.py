@@ -219,25 +219,41 @@ class TwoStageAttention:
         """
         try:
             plan = self._plan(query_start_loc, seq_lens, block_table, parents, num_pages)
-        except ValueError as e:
-            self._agree(str(e))
+        except Exception:
+            self._agree(None)  # this rank refused: say so to the others, then raise its own error
             raise
-        self._agree(None)
+        self._agree(plan)
         return plan
 
-    def _agree(self, error: str | None) -> None:
-        """Raise on every rank where some rank of the group refused the step (no-op for N = 1)."""
+    def _agree(self, plan: StepPlan | None) -> None:
+        """Raise on every rank unless every rank of the group planned the same step (no-op for N = 1).
+
+        plan: this rank's plan, None where it refused the step. One all-reduce of a (N, 4) int64
+        table, row r = rank r's (refused, T, B, sum of seq_lens): the step's queries are the same
+        on every rank, so their counts must be too, or the layer's collectives would not match.
+        """
         n = self.layout.world_size
         if n == 1:
             return
-        flags = torch.zeros(n, dtype=torch.int32, device=self.device)
-        flags[self.layout.rank] = error is not None
-        dist.all_reduce(flags, group=self.group)
-        bad = flags.nonzero().flatten().tolist()
-        if bad and error is None:
+        rows = torch.zeros(n, 4, dtype=torch.int64, device=self.device)
+        if plan is None:
+            rows[self.layout.rank, 0] = 1
+        else:
+            rows[self.layout.rank, 1:] = torch.tensor([plan.num_tokens, plan.batch_size, int(plan.seq_lens.sum())])
+        dist.all_reduce(rows, group=self.group)
+        rows = rows.tolist()
+        refused = [r for r in range(n) if rows[r][0]]
+        if plan is None:
+            return
+        if refused:
             raise ValueError(
                 f"expected every rank of the DCP group to accept this step's metadata, got a refusal on rank(s) "
-                f"{bad} (their error names the argument)"
+                f"{refused} (their error names the argument)"
+            )
+        if len({tuple(r[1:]) for r in rows}) > 1:
+            got = ", ".join(f"rank {r}: T={x[1]} B={x[2]} sum(seq_lens)={x[3]}" for r, x in enumerate(rows))
+            raise ValueError(
+                f"expected the same query_start_loc and seq_lens on every rank of the DCP group, got {got}"
             )
 
     def _plan(self, query_start_loc, seq_lens, block_table, parents, num_pages) -> StepPlan:
