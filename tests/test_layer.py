@@ -237,3 +237,10 @@ def test_capture_limits_need_a_backend_with_fixed_buffers():
         TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32, max_batch_size=4, max_tokens=16)
     with pytest.raises(ValueError, match=r"all given or none, got max_q_len without max_batch_size, max_tokens, max_"):
         TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32, max_q_len=2)
+
+
+def test_no_float64_layer():
+    # The reference computes in float32: a float64 layer would silently be float32-accurate.
+    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    with pytest.raises(ValueError, match=r"reference: dtype torch.float64 not in"):
+        TwoStageAttention(cfg, DCPLayout(), dtype=torch.float64)
