@@ -157,6 +157,10 @@ def test_flashinfer_stale_plan_and_capture_limits(emulated):
     attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
     with pytest.raises(ValueError, match="latest plan"):
         attn(x.q, x.k, None, x.k_cache, None, old)
+    latest = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    attn.backend.invalidate_plans()  # what plan() does on every rank after a step the group refused
+    with pytest.raises(ValueError, match="latest plan"):
+        attn(x.q, x.k, None, x.k_cache, None, latest)
 
     small = _layer("flashinfer", cfg, DCPLayout(), CaptureLimits(max_batch_size=2, max_tokens=4, max_pages=2))
     with pytest.raises(ValueError, match="max_pages = 2"):

@@ -130,6 +130,8 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
         group=dist.group.WORLD,
     )
     # One rank's bad table: every rank raises in plan(), none goes on into a layer call alone.
+    calls = []
+    attn.backend.invalidate_plans = lambda: calls.append(1)
     table = x.block_table.clone()
     if rank == 0:
         table[0, 0] = -1
@@ -137,6 +139,10 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
     expect(attn.plan, x.query_start_loc, x.seq_lens, x.block_table, num_pages=1)
     # Ranks that disagree on the step (its queries are the same on every rank): refused on all.
     expect(attn.plan, x.query_start_loc, x.seq_lens + rank, x.block_table)
+    expect(attn.plan, x.query_start_loc, x.seq_lens.flip(0) if rank else x.seq_lens, x.block_table)  # same sum
+    # Each of these four steps the group refused dropped the earlier plans on every rank alike
+    # (FlashInfer's wrappers hold one step's plan; those of the ranks that accepted were re-planned).
+    assert calls == [1, 1, 1, 1], calls
     # A step with no tokens (every rank has the same T): empty outputs, no collective.
     none = attn.plan(torch.zeros(3, dtype=torch.int32), x.seq_lens - torch.tensor([2, 3], dtype=torch.int32),
                      x.block_table)  # fmt: skip
@@ -171,8 +177,9 @@ def test_bad_input_raises_before_any_collective(world):
             r"page_size to be a multiple of interleave = 2, got 3",
             r"page ids >= 0 in the first \d+ entries of block_table\[0\]|a refusal on rank\(s\) \[0\]",
             r"block_table page ids < num_pages = 1 \(pages of this rank's cache\)",
-            r"same query_start_loc and seq_lens on every rank .*rank 0: T=5 B=2 sum\(seq_lens\)=19, rank 1: T=5 B=2 "
-            r"sum\(seq_lens\)=21",
+            r"same query_start_loc and seq_lens on every rank .*differ across ranks "
+            r"\(rank 0: T=5 B=2, rank 1: T=5 B=2\)",
+            r"same query_start_loc and seq_lens on every rank",
         ]
         assert len(messages) == len(expected), messages
         for m, pattern in zip(messages, expected):

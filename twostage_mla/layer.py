@@ -228,33 +228,42 @@ class TwoStageAttention:
     def _agree(self, plan: StepPlan | None) -> None:
         """Raise on every rank unless every rank of the group planned the same step (no-op for N = 1).
 
-        plan: this rank's plan, None where it refused the step. One all-reduce of a (N, 4) int64
-        table, row r = rank r's (refused, T, B, sum of seq_lens): the step's queries are the same
-        on every rank, so their counts must be too, or the layer's collectives would not match.
+        plan: this rank's plan, None where it refused the step. One all-reduce of a (N, 5) int64
+        table, row r = rank r's (refused, T, B, then sums of query_start_loc and seq_lens weighted by
+        position): the step's queries are the same on every rank, or the layer's collectives would
+        not match. Where the group refuses, every rank also drops the plans it made before (some
+        ranks' kernels were re-planned, the refusing ones' not), so all refuse them alike.
         """
         n = self.layout.world_size
         if n == 1:
             return
-        rows = torch.zeros(n, 4, dtype=torch.int64, device=self.device)
+        rows = torch.zeros(n, 5, dtype=torch.int64, device=self.device)
         if plan is None:
             rows[self.layout.rank, 0] = 1
         else:
-            rows[self.layout.rank, 1:] = torch.tensor([plan.num_tokens, plan.batch_size, int(plan.seq_lens.sum())])
+            qsl, sl = plan.query_start_loc.long().cpu(), plan.seq_lens.long().cpu()
+            weighted = [int((torch.arange(1, x.numel() + 1) * x).sum()) for x in (qsl, sl)]
+            rows[self.layout.rank, 1:] = torch.tensor([plan.num_tokens, plan.batch_size, *weighted])
         dist.all_reduce(rows, group=self.group)
         rows = rows.tolist()
         refused = [r for r in range(n) if rows[r][0]]
-        if plan is None:
+        differ = not refused and len({tuple(x[1:]) for x in rows}) > 1
+        if not (refused or differ):
+            return
+        self._fixed_count[0] += 1
+        self.backend.invalidate_plans()
+        if plan is None:  # this rank raises its own error
             return
         if refused:
             raise ValueError(
                 f"expected every rank of the DCP group to accept this step's metadata, got a refusal on rank(s) "
                 f"{refused} (their error names the argument)"
             )
-        if len({tuple(r[1:]) for r in rows}) > 1:
-            got = ", ".join(f"rank {r}: T={x[1]} B={x[2]} sum(seq_lens)={x[3]}" for r, x in enumerate(rows))
-            raise ValueError(
-                f"expected the same query_start_loc and seq_lens on every rank of the DCP group, got {got}"
-            )
+        counts = ", ".join(f"rank {r}: T={x[1]} B={x[2]}" for r, x in enumerate(rows))
+        raise ValueError(
+            "expected the same query_start_loc and seq_lens on every rank of the DCP group, got values that differ "
+            f"across ranks ({counts})"
+        )
 
     def _plan(self, query_start_loc, seq_lens, block_table, parents, num_pages) -> StepPlan:
         for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):

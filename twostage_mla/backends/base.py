@@ -171,6 +171,13 @@ class AttentionBackend:
         """Per-step kernel plans (built once, reused by every layer); None if none."""
         return None
 
+    def invalidate_plans(self) -> None:
+        """Make every plan made so far refuse to run (after a step the group refused).
+
+        A no-op where plans hold their own tensors; backends whose kernels keep one step's plan
+        (FlashInfer's wrappers) override it.
+        """
+
     def context(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan) -> State:
         """Non-causal pass over this rank's shard.
 

@@ -211,6 +211,11 @@ class FlashInferBackend(AttentionBackend):
         w.generation += 1
         return FlashInferState(w, w.generation, empty)
 
+    def invalidate_plans(self) -> None:
+        for w in [self._shared, *self._by_batch.values()]:
+            if w is not None:
+                w.generation += 1
+
     def _state(self, plan: StepPlan) -> FlashInferState:
         st = self._plan_state(plan, FlashInferState)
         if st.wrappers is not None and st.generation != st.wrappers.generation:
