@@ -125,8 +125,9 @@ def plan_step(
     query_start_loc: (B+1,) int, cumulative query counts, starting at 0.
     seq_lens: (B,) int, global sequence length of each request *including* the
         step's new tokens (so context C_b = seq_lens[b] - q_len_b).
-    block_table: (B, max_pages) int, this rank's page ids; must cover
-        local_len(seq_lens[b], r) slots, so the new tokens can be written too.
+    block_table: (B, max_pages) int, this rank's page ids; at least
+        ceil(local_len(seq_lens[b], 0) / page_size) pages wide on every rank
+        (rank 0's need, the largest), so the new tokens can be written too.
     page_size: tokens per page, a multiple of layout.interleave.
     layout: (N, r, I) of this rank.
     parents: optional (T,) int, tree speculation: parent of each new token as

@@ -77,7 +77,7 @@ def gather_slots(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, int]:
 def empty_context_rows(plan: StepPlan) -> torch.Tensor | None:
     """(T, 1) bool: tokens whose request has no local context; None if there are none.
 
-    Kernels disagree on the state of a row with no keys (DESIGN.md section 3);
+    Kernels disagree on the state of a row with no keys (docs/design.md, "Conventions");
     backends whose kernel is not known to return (0, -inf) mask these rows.
     """
     empty = (plan.local_context_lens == 0)[plan.token_request]

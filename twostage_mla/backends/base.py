@@ -1,7 +1,7 @@
 """The protocol every kernel backend implements.
 
 A backend is a class that declares what it supports as class attributes and
-implements the kernel contract (DESIGN.md section 4):
+implements the kernel contract (docs/design.md, "The split"):
 
     context(q, k_cache, v_cache, plan) -> (o, lse)   non-causal, paged, per-request kv length
     query(q, k, v, plan) -> (o, lse)                 the step's fresh K/V, causal (or tree mask)
