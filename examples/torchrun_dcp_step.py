@@ -35,6 +35,8 @@ dtype = torch.bfloat16 if args.cuda else torch.float32
 # --- model shapes: DeepSeek-V2-Lite's MLA; 16 heads split over the group (TP) -------------
 HEADS, LORA, ROPE, PAGE = 16, 512, 64, 64
 D = LORA + ROPE
+if HEADS % world:  # each rank keeps HEADS / N of them: the rest would silently go missing
+    raise SystemExit(f"expected a group size that divides the {HEADS} heads, got {world} ranks")
 cfg = AttentionConfig.mla(num_heads=HEADS // world, kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=D**-0.5)
 layout = DCPLayout(world, rank, args.interleave)
 attn = TwoStageAttention(cfg, layout, group=group, combine="a2a", dtype=dtype, device=device)

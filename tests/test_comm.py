@@ -64,3 +64,19 @@ def test_head_order_round_trip():
     torch.testing.assert_close(kv_major[:, :3], x[0, :, :3])
     torch.testing.assert_close(kv_major[:, 3:6], x[1, :, :3])
     torch.testing.assert_close(comm.to_rank_major(kv_major, world_size=2, num_kv_heads=2), x)
+
+
+def _no_tokens(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    o, lse = torch.randn(world, 0, 2, 8), torch.randn(world, 0, 2)
+    return {
+        "a2a": comm.combine_a2a(o, lse, dist.group.WORLD),
+        "ag_rs": comm.combine_ag_rs(o, lse, dist.group.WORLD, rank=rank),
+    }
+
+
+def test_combines_of_no_tokens():
+    for res in run_ranks(2, _no_tokens):
+        for name in comm.COMBINE_METHODS:
+            assert res[name][0].shape == (0, 2, 8) and res[name][1].shape == (0, 2), name

@@ -44,6 +44,8 @@ def exchange_a2a(o: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup) -
     rank n's shard; views into one receive buffer.
     """
     n = o.shape[0]
+    if o[0].numel() == 0:  # no rows (T = 0): nothing to send; every rank of the group has the same T
+        return o.new_zeros(o.shape), lse.new_zeros(lse.shape, dtype=torch.float32)
     # o and lse travel as raw bytes in one collective; both segments are padded
     # to 16 bytes so every row can be viewed back as o's dtype and as float32.
     o_bytes = o[0].numel() * o.element_size()
