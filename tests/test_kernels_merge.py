@@ -87,3 +87,10 @@ def test_no_states_is_the_empty_state():
     ref_o, ref_lse = merge_states(o, lse)
     torch.testing.assert_close(got_o, ref_o.float())
     assert torch.equal(got_lse, ref_lse) and got_lse.isneginf().all()
+
+
+def test_no_overflow_near_the_dtype_max():
+    # Normalised weights: K states of o near bf16's max merge to o, not inf (acc / total would overflow).
+    o, lse = torch.full((2, 1, 1, 4), 3e38, dtype=torch.bfloat16, device=DEVICE), torch.zeros(2, 1, 1, device=DEVICE)
+    got, _ = merge_states_triton(o, lse)
+    assert torch.isfinite(got).all() and torch.equal(got.cpu(), merge_states(o.cpu(), lse.cpu())[0])

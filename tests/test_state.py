@@ -87,3 +87,15 @@ def test_shape_errors_name_arguments():
         merge_states(torch.randn(2, 3, 4, 5), torch.randn(2, 3))
     with pytest.raises(ValueError, match="o_a"):
         merge_state(torch.randn(3, 4, 5), torch.randn(3, 4), torch.randn(3, 4, 6), torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("big", [1e2, 1e4, 1e5])
+def test_merge_is_exact_at_large_lse(big):
+    # The weights must be normalised: exp(lse_k - logsumexp) alone carries logsumexp's rounding
+    # (~|lse| * 2^-24) into o: 2.5e-4 relative at lse = 1e4 before the fix.
+    o = torch.tensor([1.0, 3.0]).view(2, 1, 1, 1)
+    lse = torch.tensor([big, big + 0.3]).view(2, 1, 1)
+    w = torch.softmax(lse.double(), dim=0)
+    ref = (w[:, :, :, None] * o.double()).sum(0)
+    got, _ = merge_states(o, lse)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=0)

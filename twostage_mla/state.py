@@ -46,14 +46,20 @@ def normalize_lse(lse: torch.Tensor, *, base2: bool = False) -> torch.Tensor:
 def lse_weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merged lse and each state's weight exp(lse_k - lse), over dim 0.
 
-    lses: (K, ...) float32. returns lse (...) and weights (K, ...), weights 0
-    (not NaN) where every state is empty.
+    lses: (K, ...) float32, -inf for empty states (no +inf or NaN: see
+    :func:`normalize_lse`). returns lse (...) and weights (K, ...) summing to
+    1, or all 0 (not NaN) where every state is empty.
     """
-    lse = torch.logsumexp(lses, dim=0)
-    # Where every state is empty, logsumexp is -inf and lses - lse is NaN:
-    # subtract 0 instead, so each weight is exp(-inf) = 0.
-    finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    return lse, torch.exp(lses - finite)
+    # Shift by the largest lse and divide by the sum: the weights then sum to 1 however large
+    # the lse (exp(lse_k - logsumexp) alone carries logsumexp's rounding, ~|lse| * 2^-24, into o).
+    # Where every state is empty, shift by 0 so each weight is exp(-inf) = 0.
+    if lses.shape[0] == 0:  # no states: the empty state
+        return torch.full(lses.shape[1:], NEG_INF, dtype=lses.dtype, device=lses.device), lses
+    m = lses.amax(dim=0)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    e = torch.exp(lses - m)
+    total = e.sum(dim=0)
+    return m + torch.log(total), e / torch.where(total > 0, total, torch.ones_like(total))
 
 
 def merge_states(
@@ -66,7 +72,8 @@ def merge_states(
     """Merge K states over disjoint key sets, stacked on dim 0.
 
     o: (K, T, H, Dv) any float dtype.
-    lse: (K, T, H) float32, natural log, -inf for empty states.
+    lse: (K, T, H) float32, natural log, -inf for empty states (no +inf or
+        NaN: kernels' lse goes through :func:`normalize_lse` first).
     out_dtype: dtype of the merged o (default: o's dtype).
     extra: optional one more state (o (T, H, Dv), lse (T, H)) to merge in.
     returns: o (T, H, Dv) out_dtype, lse (T, H) float32.

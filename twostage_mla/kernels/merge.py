@@ -39,21 +39,25 @@ def _merge_kernel(
     # All states empty: shift by 0 so every weight is exp(-inf) = 0, not NaN.
     shift = tl.where(m == float("-inf"), 0.0, m)
 
-    acc = tl.zeros((BLOCK_D,), tl.float32)
     total = tl.zeros((), tl.float32)
     for k in range(K):
-        w = tl.exp(tl.load(LSE + k * sl_k + t * sl_t + h * sl_h) - shift)
+        total += tl.exp(tl.load(LSE + k * sl_k + t * sl_t + h * sl_h) - shift)
+    if HAS_EXTRA:
+        total += tl.exp(e_lse - shift)
+    # Normalised weights (they sum to 1): the sum of o * w cannot overflow where every |o| is finite.
+    safe = tl.where(total > 0, total, 1.0)
+
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for k in range(K):
+        w = tl.exp(tl.load(LSE + k * sl_k + t * sl_t + h * sl_h) - shift) / safe
         o = tl.load(O_IN + k * so_k + t * so_t + h * so_h + d, mask=dmask, other=0.0).to(tl.float32)
         acc += tl.where(w > 0, o * w, 0.0)  # an empty state's o may be NaN
-        total += w
     if HAS_EXTRA:
-        w = tl.exp(e_lse - shift)
+        w = tl.exp(e_lse - shift) / safe
         o = tl.load(EO + t * se_t + h * se_h + d, mask=dmask, other=0.0).to(tl.float32)
         acc += tl.where(w > 0, o * w, 0.0)
-        total += w
 
-    safe = tl.where(total > 0, total, 1.0)
-    out = tl.where(total > 0, acc / safe, 0.0)
+    out = tl.where(total > 0, acc, 0.0)
     lse = tl.where(total > 0, shift + tl.log(safe), float("-inf"))
     tl.store(OUT + t * sout_t + h * sout_h + d, out.to(OUT.dtype.element_ty), mask=dmask)
     tl.store(OUT_LSE + t * soutl_t + h * soutl_h, lse)
