@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
 from twostage_mla import synthetic
-from twostage_mla.backends import AttentionSpec, backend_names, refusals
+from twostage_mla.backends import AttentionSpec, select_backend
 from twostage_mla.comm import COMBINE_METHODS
 from twostage_mla.layer import PHASES, AttentionConfig, TwoStageAttention
 from twostage_mla.layout import DCPLayout
@@ -181,22 +181,18 @@ def run_demo(args: DemoArgs) -> dict:
         raise ValueError(f"expected 0 <= min_context <= max_context, got {args.min_context}, {args.max_context}")
     if args.combine not in COMBINE_METHODS:
         raise ValueError(f"expected combine in {COMBINE_METHODS}, got {args.combine!r}")
-    if args.backend != "auto" and args.backend not in backend_names():
-        raise ValueError(f"expected backend to be 'auto' or one of {backend_names()}, got {args.backend!r}")
     device = resolve_device(args.world_size, args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"expected dtype in ('auto', 'float32', 'bfloat16', 'float16'), got {dtype!r}")
     args = DemoArgs(**{**asdict(args), "dtype": dtype, "device": device})
-    if args.backend != "auto":  # a named backend that cannot serve here says why before processes start
-        spec = AttentionSpec(
-            "mla", args.heads // args.world_size, 1, args.kv_lora_rank + args.rope_dim, args.kv_lora_rank,
-            args.page_size, args.world_size, 1.0, getattr(torch, dtype), torch.device(device),
-        )  # fmt: skip
-        why = refusals(spec)[args.backend]
-        if why:
-            raise ValueError(f"expected a backend that can serve this demo, got backend {args.backend!r}: "
-                             + "; ".join(why))  # fmt: skip
+    # The registry's own check, here before processes start: an unknown name, or a backend that
+    # cannot serve the workers' layer (with its reasons).
+    spec = AttentionSpec(
+        "mla", args.heads // args.world_size, 1, args.kv_lora_rank + args.rope_dim, args.kv_lora_rank,
+        args.page_size, args.world_size, 1.0, getattr(torch, dtype), torch.device(device),
+    )  # fmt: skip
+    select_backend(spec, args.backend)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "result.pt")
         init = f"tcp://127.0.0.1:{_free_port()}"
