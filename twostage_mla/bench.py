@@ -198,10 +198,10 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     known = ("twostage", "onepass", "expand", "floor")
     if not methods or any(m not in known for m in methods):
         raise ValueError(f"expected --methods a comma list of {', '.join(known)}, got {args.methods!r}")
-    if args.backends != "all":
-        unknown = [n for n in args.backends.split(",") if n.strip() not in backend_names()]
-        if unknown:
-            raise ValueError(f"expected --backends 'all' or a comma list of {backend_names()}, got {unknown}")
+    asked = None if args.backends == "all" else [n.strip() for n in args.backends.split(",")]
+    unknown = [n for n in asked or [] if n not in backend_names()]
+    if unknown:
+        raise ValueError(f"expected --backends 'all' or a comma list of {backend_names()}, got {unknown}")
     if not torch.cuda.is_available():
         raise ValueError("expected a CUDA GPU for bench (torch.cuda.is_available() is False)")
     grid = dict(QUICK if args.quick else FULL)
@@ -223,9 +223,8 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     def backends_for(h: int) -> list[str]:
         spec = AttentionSpec("mla", h, 1, d, dv, ps, 1, scale, dt, dev)
         ok = [n for n, why in refusals(spec).items() if not why and n != "reference"]
-        if args.backends == "all":
+        if asked is None:
             return ok
-        asked = [n.strip() for n in args.backends.split(",")]
         for n in asked:
             if n not in ok and (n, h) not in told:  # named, but cannot run here: say so, once
                 told.add((n, h))
