@@ -17,8 +17,8 @@
 #                                           # where there are two GPUs (and benchmarks/context_probe.py on the
 #                                           # second GPU meanwhile), twostage-mla check
 #   bash benchmarks/gpu_verify.sh bench     # one GPU: the issue's whole bench grid alone (fused default and unfused)
-#   bash benchmarks/gpu_verify.sh main      # two GPUs: the README's demo over NCCL (both combines, I = 16), the
-#                                           # torchrun example
+#   bash benchmarks/gpu_verify.sh main      # two GPUs (one where there is one): the README's demo over NCCL (both
+#                                           # combines, I = 16), the torchrun example
 #   bash benchmarks/gpu_verify.sh model     # DeepSeek-V3 real dims over NCCL, float32, a chain and a tree
 #   bash benchmarks/gpu_verify.sh recheck   # one GPU: the kernel alone against benchmarks/_query_merge_prev.py,
 #                                           # bench at B = 32 (Q = 4, 8), twostage-mla check
@@ -154,16 +154,18 @@ elif [ "$part" = bench ]; then
 elif [ "$part" = main ]; then
   jit "mla bfloat16"
   jit_wait
+  n=$(( ngpu >= 2 ? 2 : 1 ))  # on one GPU: N = 1 over NCCL (the README's plain command would pick the CPU)
   for combine in a2a ag_rs; do
-    stamp "the README's main job: demo, N=2 over NCCL, combine $combine"
-    timeout 90 python3 -m twostage_mla demo --world-size 2 --combine $combine --json > "$OUT/demo_$combine.json" \
-      2> "$OUT/demo_$combine.err"
+    stamp "the README's main job: demo, N=$n over NCCL, combine $combine"
+    timeout 90 python3 -m twostage_mla demo --world-size $n --device cuda --combine $combine --json \
+      > "$OUT/demo_$combine.json" 2> "$OUT/demo_$combine.err"
     echo "rc=$?"; head -c 700 "$OUT/demo_$combine.json"; echo; tail -3 "$OUT/demo_$combine.err"
   done
-  stamp "demo N=2, I=16"
-  timeout 90 python3 -m twostage_mla demo --world-size 2 --interleave 16 2>&1 | grep -v "USDT\|warn\|func(" | tail -12
-  stamp "torchrun example on 2 GPUs"
-  timeout 90 torchrun --nproc-per-node 2 examples/torchrun_dcp_step.py --cuda 2>&1 | grep "rank\|Error" | tail -4
+  stamp "demo N=$n, I=16"
+  timeout 90 python3 -m twostage_mla demo --world-size $n --device cuda --interleave 16 2>&1 \
+    | grep -v "USDT\|warn\|func(" | tail -12
+  stamp "torchrun example on $n GPU(s)"
+  timeout 90 torchrun --nproc-per-node $n examples/torchrun_dcp_step.py --cuda 2>&1 | grep "rank\|Error" | tail -4
 elif [ "$part" = model ]; then
   for opt in "--q-len 4" "--tree"; do  # float32: greedy tokens equal transformers' generate
     stamp "DeepSeek-V3 real dims, float32, N=$ngpu over NCCL, $opt"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import socket
 import tempfile
 
@@ -286,6 +287,34 @@ def test_flashinfer_graph_replays_after_a_new_plan(fmt, fuse, max_tokens):
         assert ((out.double().cpu() - ref_o).abs().max() / ref_o.abs().max()).item() < TOL[dt]
 
 
+@pytest.mark.parametrize("name", [n for n in backend_names() if n != "reference"])
+def test_layer_checks_on_cuda(name):
+    """The layer's own checks on CUDA tensors: a page past the cache, a stale plan, a step of no tokens."""
+    cfg = _config("mla", 16, 64)
+    if name not in _serving(cfg, torch.bfloat16):
+        pytest.skip(f"{name} does not serve MLA here")
+    step, x, attn, plan = _run(name, cfg, torch.bfloat16, [100, 700], [4, 2], seed=5)
+    with pytest.raises(ValueError, match=r"block_table page ids < k_cache.shape\[0\] = 1"):
+        attn(x.q, x.k, None, x.k_cache[:1], None, plan)
+    with pytest.raises(ValueError, match=r"block_table page ids < num_pages = 1"):
+        attn.plan(x.query_start_loc, x.seq_lens, x.block_table, num_pages=1)
+    context = x.seq_lens - torch.tensor([4, 2], dtype=torch.int32, device=DEV)
+    none = attn.plan(torch.zeros(3, dtype=torch.int32, device=DEV), context, x.block_table)
+    o, lse = attn(x.q[:0], x.k[:0], None, x.k_cache, None, none, return_lse=True)
+    assert o.shape == (0, 16, 512) and lse.shape == (0, 16)
+    if name == "flashinfer":  # under capture limits with the fused kernel: only the latest plan
+        limited = TwoStageAttention(
+            cfg, DCPLayout(), backend=name, dtype=torch.bfloat16, device=DEV, max_batch_size=4, max_tokens=16,
+            max_pages=x.k_cache.shape[0],
+        )  # fmt: skip
+        old = limited.plan(x.query_start_loc, x.seq_lens, x.block_table)
+        latest = limited.plan(x.query_start_loc, x.seq_lens, x.block_table)
+        with pytest.raises(ValueError, match="latest plan"):
+            limited(x.q, x.k, None, x.k_cache, None, old)
+        out, lse = limited(x.q, x.k, None, x.k_cache, None, latest, return_lse=True)
+        _check(step, cfg, torch.bfloat16, out, lse, f"{name} under capture limits")
+
+
 def test_auto_and_forced_refusals_on_this_gpu():
     mla = _spec(_config("mla", 16, 64), torch.bfloat16)
     best = select_backend(mla)
@@ -395,6 +424,18 @@ def _nccl_worker(rank: int, world: int, init: str, out_dir: str) -> None:
             r["graph"] = bool(torch.equal(gout, out))
             torch.save(results, path)
             print(f"rank {rank} graph {r}", flush=True)
+        # Ranks that disagree on the step: every rank raises in plan(), none is left waiting; then a good step.
+        attn, x, plan, out = layers[0]
+        try:
+            attn.plan(x.query_start_loc, x.seq_lens + rank, x.block_table)
+            refused = "no error"
+        except ValueError as e:
+            refused = str(e)
+        again = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+        after = bool(torch.equal(attn(x.q, x.k, x.v, x.k_cache, x.v_cache, again), out))
+        results.append(dict(refused=refused, after=after))
+        torch.save(results, path)
+        print(f"rank {rank} {results[-1]}", flush=True)
     finally:
         torch.save(results, path)
         dist.destroy_process_group()
@@ -430,7 +471,9 @@ def test_two_gpus_nccl_layer_matches_oracle():
         for r in res:
             print(f"rank {rank}: {r}")
     for rank, res in enumerate(results):
-        assert len(res) == 6, f"rank {rank} stopped early ({'timed out' if not finished else 'error'}): {res}"
+        assert len(res) == 7, f"rank {rank} stopped early ({'timed out' if not finished else 'error'}): {res}"
+        last = res.pop()
+        assert re.search(r"seq_lens|every rank of the DCP group", last["refused"]) and last["after"], last
         for r in res:
             assert r["rel"] < TOL[torch.bfloat16] and r["lse_err"] < LSE_TOL, r
             assert r["graph"] is True, r
