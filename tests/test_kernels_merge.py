@@ -94,3 +94,16 @@ def test_no_overflow_near_the_dtype_max():
     o, lse = torch.full((2, 1, 1, 4), 3e38, dtype=torch.bfloat16, device=DEVICE), torch.zeros(2, 1, 1, device=DEVICE)
     got, _ = merge_states_triton(o, lse)
     assert torch.isfinite(got).all() and torch.equal(got.cpu(), merge_states(o.cpu(), lse.cpu())[0])
+
+
+def test_nan_state_is_not_taken_for_empty():
+    # As merge_states: lse = -inf is empty (its o, even NaN, is left out); a NaN lse reaches the output.
+    o, lse = torch.randn(3, 4, 2, 16, device=DEVICE), torch.randn(3, 4, 2, device=DEVICE)
+    lse[0, 1, 0] = float("nan")
+    lse[2, 2, 1], o[2, 2, 1] = float("-inf"), float("nan")
+    for extra in (None, (torch.randn(4, 2, 16, device=DEVICE), torch.randn(4, 2, device=DEVICE))):
+        got_o, got_lse = merge_states_triton(o, lse, out_dtype=torch.float32, extra=extra)
+        ref_o, ref_lse = merge_states(o, lse, out_dtype=torch.float32, extra=extra)
+        assert got_o[1, 0].isnan().all() and got_lse[1, 0].isnan()
+        torch.testing.assert_close(got_o, ref_o, equal_nan=True)
+        torch.testing.assert_close(got_lse, ref_lse, equal_nan=True)

@@ -117,6 +117,26 @@ def test_garbage_in_keys_a_token_does_not_see(tree, lens):
     assert dirty[sees].isnan().all()
 
 
+def test_nan_query_or_context_state_reaches_the_output():
+    # A NaN context lse is not an empty state (-inf), and a NaN query is not a masked score:
+    # both must come out as NaN in their (token, head) row, not as a finite answer without them.
+    # Only the GPU tells the first apart: its max ignores NaN, Triton's interpreter (numpy) propagates it.
+    cfg, x, attn, plan, v = setup("mla", False, torch.float32)
+    ctx_o, ctx_lse = torch.randn(2, *x.q.shape[:2], v.shape[-1], device=DEVICE), torch.randn(2, *x.q.shape[:2])
+    ctx_lse = ctx_lse.to(DEVICE)
+    kw = dict(scale=cfg.scale, out_dtype=torch.float32)
+    clean, _ = query_merge_triton(x.q, x.k, v, plan, ctx_o, ctx_lse, **kw)
+    lse_bad, q_bad = ctx_lse.clone(), x.q.clone()
+    lse_bad[1, 3, 2] = float("nan")
+    q_bad[7, 1, 0] = float("nan")
+    for q, lse, row in ((x.q, lse_bad, (3, 2)), (q_bad, ctx_lse, (7, 1))):
+        o, out_lse = query_merge_triton(q, x.k, v, plan, ctx_o, lse, **kw)
+        assert o[row].isnan().all() and out_lse[row].isnan(), row
+        rest = torch.ones(o.shape[:2], dtype=torch.bool, device=DEVICE)
+        rest[row] = False
+        torch.testing.assert_close(o[rest], clean[rest])
+
+
 def test_bf16_output_and_bad_shapes():
     cfg, x, attn, plan, v = setup("mla", False, torch.bfloat16)
     o_q, lse_q = attn.backend.query(x.q, x.k, v, plan)

@@ -88,6 +88,36 @@ def test_layer_matches_oracle(world):
             assert lse_err <= 1e-4, (c, lse_err)
 
 
+def _nan_query(rank: int, world: int) -> list[tuple[str, bool, bool, float]]:
+    """NaN in one query (rank 0's token 3, head 0): that row's output is NaN, every other one exact."""
+    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    step = synthetic.make_step([5, 30, 0], [2, 4, 3], heads=2 * world, head_dim=24, head_dim_v=16, seed=4)
+    x = synthetic.rank_inputs(step, DCPLayout(world, rank, 2), 4, mla=True, dtype=torch.float32, device="cpu")
+    if rank == 0:
+        x.q[3, 0, 5] = float("nan")
+    ref_o, _ = synthetic.oracle(step, cfg.scale, slice(rank * 2, rank * 2 + 2))
+    bad = torch.zeros(ref_o.shape[:2], dtype=torch.bool)
+    bad[3, 0] = rank == 0
+    out = []
+    for combine in ("a2a", "ag_rs"):
+        attn = TwoStageAttention(
+            cfg, DCPLayout(world, rank, 2), group=dist.group.WORLD, combine=combine, dtype=torch.float32
+        )
+        plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+        o, lse = attn(x.q, x.k, None, x.k_cache, None, plan, return_lse=True)
+        err = (o[~bad].double() - ref_o[~bad]).abs().max().item()
+        nan_row = bool(o[bad].isnan().all() and lse[bad].isnan().all())
+        out.append((combine, nan_row, bool(o[~bad].isfinite().all()), err))
+    return out
+
+
+def test_nan_query_reaches_its_row_and_no_other():
+    # Not hidden as 0 by a merge that takes a NaN state for an empty one, and not spread to other rows.
+    for rank, results in enumerate(run_ranks(2, _nan_query)):
+        for combine, nan_row, finite_rest, err in results:
+            assert nan_row and finite_rest and err < 1e-5, (rank, combine, nan_row, finite_rest, err)
+
+
 def _bad_inputs(rank: int, world: int) -> list[str]:
     """Every rank makes the same mistakes; each must raise before any collective."""
     layout = DCPLayout(world, rank, 2)

@@ -99,3 +99,15 @@ def test_merge_is_exact_at_large_lse(big):
     ref = (w[:, :, :, None] * o.double()).sum(0)
     got, _ = merge_states(o, lse)
     torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=0)
+
+
+def test_nan_state_is_not_taken_for_empty():
+    # An empty state is lse = -inf; a NaN lse (a NaN query upstream, say) must reach the output, not
+    # weigh 0 and leave a finite answer that hides it.
+    o, lse = torch.randn(2, 3, 2, 8), torch.randn(2, 3, 2)
+    lse[0, 1, 0] = float("nan")
+    om, lm = merge_states(o, lse)
+    assert om[1, 0].isnan().all() and lm[1, 0].isnan()
+    bad = torch.zeros(3, 2, dtype=torch.bool)
+    bad[1, 0] = True
+    assert torch.isfinite(om[~bad]).all() and torch.isfinite(lm[~bad]).all()

@@ -97,7 +97,8 @@ def combine_ag_rs(
     all_lse = all_lse.view(n, *lse.shape)  # (src, dst, T, H)
     total, w = lse_weights(all_lse)  # (dst, T, H), (src, dst, T, H)
     w = w[rank].unsqueeze(-1)  # this rank's own row: its shard's weight for every head
-    scaled = torch.where(w > 0, o.float() * w, 0.0)
+    # An empty state's o may be garbage: left out. A NaN lse reaches the output (not weight 0).
+    scaled = torch.where(torch.isneginf(lse).unsqueeze(-1), 0.0, o.float() * w)
     out = o.new_empty(o.shape[1:], dtype=torch.float32)
     _reduce_scatter(out, scaled.reshape(n * o.shape[1], *o.shape[2:]), group=group)
     return out, total[rank]

@@ -59,7 +59,7 @@ def lse_weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     e = torch.exp(lses - m)
     total = e.sum(dim=0)
-    return m + torch.log(total), e / torch.where(total > 0, total, torch.ones_like(total))
+    return m + torch.log(total), e / torch.where(total == 0, torch.ones_like(total), total)
 
 
 def merge_states(
@@ -91,10 +91,11 @@ def merge_states(
     if extra is not None:
         o = torch.cat([o.float(), extra[0].float()[None]])
         lse = torch.cat([lse.float(), extra[1].float()[None]])
-    merged_lse, w = lse_weights(lse.float())
-    w = w.unsqueeze(-1)
-    # An empty state's o may be garbage (some kernels write NaN): weight 0 must win.
-    merged = torch.where(w > 0, o.float() * w, 0.0).sum(dim=0)
+    lse = lse.float()
+    merged_lse, w = lse_weights(lse)
+    # An empty state's o may be garbage (some kernels write NaN): it is left out. A NaN lse is
+    # not empty: it reaches the output as NaN rather than hiding as a weight of 0.
+    merged = torch.where(torch.isneginf(lse).unsqueeze(-1), 0.0, o.float() * w.unsqueeze(-1)).sum(dim=0)
     return merged.to(out_dtype), merged_lse
 
 

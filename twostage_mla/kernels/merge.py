@@ -45,21 +45,20 @@ def _merge_kernel(
     if HAS_EXTRA:
         total += tl.exp(e_lse - shift)
     # Normalised weights (they sum to 1): the sum of o * w cannot overflow where every |o| is finite.
-    safe = tl.where(total > 0, total, 1.0)
+    # Tests are "== 0" and "== -inf", never "> 0": a NaN lse must reach the output, not pass as empty.
+    safe = tl.where(total == 0, 1.0, total)
 
     acc = tl.zeros((BLOCK_D,), tl.float32)
     for k in range(K):
-        w = tl.exp(tl.load(LSE + k * sl_k + t * sl_t + h * sl_h) - shift) / safe
+        lk = tl.load(LSE + k * sl_k + t * sl_t + h * sl_h)
         o = tl.load(O_IN + k * so_k + t * so_t + h * so_h + d, mask=dmask, other=0.0).to(tl.float32)
-        acc += tl.where(w > 0, o * w, 0.0)  # an empty state's o may be NaN
+        acc += tl.where(lk == float("-inf"), 0.0, o * (tl.exp(lk - shift) / safe))  # an empty state's o may be NaN
     if HAS_EXTRA:
-        w = tl.exp(e_lse - shift) / safe
         o = tl.load(EO + t * se_t + h * se_h + d, mask=dmask, other=0.0).to(tl.float32)
-        acc += tl.where(w > 0, o * w, 0.0)
+        acc += tl.where(e_lse == float("-inf"), 0.0, o * (tl.exp(e_lse - shift) / safe))
 
-    out = tl.where(total > 0, acc, 0.0)
-    lse = tl.where(total > 0, shift + tl.log(safe), float("-inf"))
-    tl.store(OUT + t * sout_t + h * sout_h + d, out.to(OUT.dtype.element_ty), mask=dmask)
+    lse = tl.where(total == 0, float("-inf"), shift + tl.log(safe))
+    tl.store(OUT + t * sout_t + h * sout_h + d, acc.to(OUT.dtype.element_ty), mask=dmask)
     tl.store(OUT_LSE + t * soutl_t + h * soutl_h, lse)
 
 

@@ -71,13 +71,14 @@ def _context_chunk(
     dv = v0 + tl.arange(0, BLOCK_V)
     acc = tl.zeros((BLOCK_H, BLOCK_V), tl.float32)
     for c in range(0, NC):
-        w = tl.exp(tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")) - m_c)
+        lse = tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf"))
         o = tl.load(
             CO + c * sco_k + t * sco_t + h[:, None] * sco_h + dv[None, :],
             mask=hmask[:, None] & (dv < DV)[None, :],
             other=0.0,
         ).to(tl.float32)
-        acc += tl.where(w[:, None] > 0, o * w[:, None], 0.0)  # an empty state's o may be NaN
+        # An empty state's o may be NaN: left out. A NaN lse is not empty: it reaches the output.
+        acc += tl.where((lse == float("-inf"))[:, None], 0.0, o * tl.exp(lse - m_c)[:, None])
     return acc
 
 
@@ -131,7 +132,7 @@ def _query_merge_kernel(
         Q, K, MASK, t, h, hmask, kvh, start, j, b, 0, n_keys, D, scale, sq_t, sq_h, sk_t, sk_h, sm_b, sm_q,
         HAS_MASK, PRECISION, DOT_F32, BLOCK_H, BLOCK_N, BLOCK_D,
     )  # fmt: skip
-    has_ctx = den > 0
+    has_ctx = den != 0  # not "> 0": a NaN context lse must reach the output, not drop the context
     m, den = _softmax_stats(tl.where(has_ctx, m_c, float("-inf")), den, s0)
     # Requests of more than BLOCK_N tokens. Compiled only where a request may have them: the
     # loops, even when they never run, cost the value loop its pipelining (21.7 vs 17.7 us).
