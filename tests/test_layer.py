@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -170,9 +171,19 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
     # Ranks that disagree on the step (its queries are the same on every rank): refused on all.
     expect(attn.plan, x.query_start_loc, x.seq_lens + rank, x.block_table)
     expect(attn.plan, x.query_start_loc, x.seq_lens.flip(0) if rank else x.seq_lens, x.block_table)  # same sum
-    # Each of these four steps the group refused dropped the earlier plans on every rank alike
+    # Requests swapped in pairs (10, 20, 30, 20 against 20, 10, 20, 30): equal position-weighted sums too.
+    four = torch.tensor([0, 2, 4, 6, 8], dtype=torch.int32)
+    lens = torch.tensor([[10, 20, 30, 20], [20, 10, 20, 30]][rank % 2], dtype=torch.int32)
+    expect(attn.plan, four, lens, torch.zeros(4, 8, dtype=torch.int32))
+    tree = torch.tensor([-1, 0, -1, 0, 1], dtype=torch.int64)
+    expect(attn.plan, x.query_start_loc, x.seq_lens, x.block_table, parents=tree if rank else None)
+    # Layers that differ across ranks: a hang (combine) or a wrong answer (scale, interleave) later.
+    for kw in (dict(combine=("a2a", "ag_rs")[rank % 2]), dict(cfg=replace(cfg, scale=0.2 + 0.1 * rank))):
+        odd = TwoStageAttention(kw.pop("cfg", cfg), layout, group=dist.group.WORLD, dtype=torch.float32, **kw)
+        expect(odd.plan, x.query_start_loc, x.seq_lens, x.block_table)
+    # Each of the steps the group refused on this layer dropped the earlier plans on every rank alike
     # (FlashInfer's wrappers hold one step's plan; those of the ranks that accepted were re-planned).
-    assert calls == [1, 1, 1, 1], calls
+    assert calls == [1] * 6, calls
     # A step with no tokens (every rank has the same T): empty outputs, no collective.
     none = attn.plan(torch.zeros(3, dtype=torch.int32), x.seq_lens - torch.tensor([2, 3], dtype=torch.int32),
                      x.block_table)  # fmt: skip
@@ -207,9 +218,13 @@ def test_bad_input_raises_before_any_collective(world):
             r"page_size to be a multiple of interleave = 2, got 3",
             r"page ids >= 0 in the first \d+ entries of block_table\[0\]|a refusal on rank\(s\) \[0\]",
             r"block_table page ids < num_pages = 1 \(pages of this rank's cache\)",
-            r"same query_start_loc and seq_lens on every rank .*differ across ranks "
+            r"same query_start_loc, seq_lens and parents on every rank .*differ across ranks "
             r"\(rank 0: T=5 B=2, rank 1: T=5 B=2\)",
-            r"same query_start_loc and seq_lens on every rank",
+            r"same query_start_loc, seq_lens and parents on every rank",
+            r"same query_start_loc, seq_lens and parents on every rank .* \(rank 0: T=8 B=4, rank 1: T=8 B=4\)",
+            r"same query_start_loc, seq_lens and parents on every rank",
+            r"same layer on every rank of the DCP group \(config, .*combine, dtype\), got rank\(s\) \[1\]",
+            r"same layer on every rank of the DCP group .* got rank\(s\) \[1\] with another than rank 0",
         ]
         assert len(messages) == len(expected), messages
         for m, pattern in zip(messages, expected):

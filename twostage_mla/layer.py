@@ -14,7 +14,9 @@ per layer, ``out = attn(q, k, v, k_cache, v_cache, plan)``, which on rank r:
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,6 +87,19 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple, dtype: torch.dtype, 
         raise ValueError(f"expected {name}.dtype == {dtype}, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"expected {name} on {device}, got {t.device}")
+
+
+def _digest(*parts: Any) -> int:
+    """A signed 64-bit digest of parts (tensors by their int64 values, the rest by repr).
+
+    The ranks compare digests of the step and the layer in one small all-reduce instead of the
+    whole tensors; unlike a sum, no likely difference between ranks maps to the same value.
+    """
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        h.update(p.long().cpu().numpy().tobytes() if isinstance(p, torch.Tensor) else repr(p).encode())
+        h.update(b"|")
+    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 class TwoStageAttention:
@@ -195,6 +210,8 @@ class TwoStageAttention:
         # compiled for the longest request of any step, not of the step it was captured with.
         self._fixed: dict[str, torch.Tensor] = {}
         self._fixed_count = [0]  # plans written into them; a plan keeps its number (StepPlan.fixed_version)
+        # What every rank's layer must share, compared in plan() (the backend may differ: same maths).
+        self._digest = _digest(config, layout.world_size, layout.interleave, combine, dtype)
 
     def plan(
         self,
@@ -220,19 +237,21 @@ class TwoStageAttention:
         try:
             plan = self._plan(query_start_loc, seq_lens, block_table, parents, num_pages)
         except Exception:
-            self._agree(None)  # this rank refused: say so to the others, then raise its own error
+            self._agree(None, None)  # this rank refused: say so to the others, then raise its own error
             raise
-        self._agree(plan)
+        self._agree(plan, parents)
         return plan
 
-    def _agree(self, plan: StepPlan | None) -> None:
+    def _agree(self, plan: StepPlan | None, parents: torch.Tensor | None) -> None:
         """Raise on every rank unless every rank of the group planned the same step (no-op for N = 1).
 
         plan: this rank's plan, None where it refused the step. One all-reduce of a (N, 5) int64
-        table, row r = rank r's (refused, T, B, then sums of query_start_loc and seq_lens weighted by
-        position): the step's queries are the same on every rank, or the layer's collectives would
-        not match. Where the group refuses, every rank also drops the plans it made before (some
-        ranks' kernels were re-planned, the refusing ones' not), so all refuse them alike.
+        table, row r = rank r's (refused, T, B, digest of the step's query_start_loc, seq_lens and
+        parents, digest of the layer: config, world size, interleave, combine, dtype): the step
+        and the layer are the same on every rank, or the layer's collectives would not match (a
+        hang, or a silently wrong answer). Where the group refuses, every rank also drops the plans
+        it made before (some ranks' kernels were re-planned, the refusing ones' not), so all
+        refuse them alike.
         """
         n = self.layout.world_size
         if n == 1:
@@ -241,14 +260,14 @@ class TwoStageAttention:
         if plan is None:
             rows[self.layout.rank, 0] = 1
         else:
-            qsl, sl = plan.query_start_loc.long().cpu(), plan.seq_lens.long().cpu()
-            weighted = [int((torch.arange(1, x.numel() + 1) * x).sum()) for x in (qsl, sl)]
-            rows[self.layout.rank, 1:] = torch.tensor([plan.num_tokens, plan.batch_size, *weighted])
+            step = _digest(plan.query_start_loc, plan.seq_lens, parents)
+            rows[self.layout.rank, 1:] = torch.tensor([plan.num_tokens, plan.batch_size, step, self._digest])
         dist.all_reduce(rows, group=self.group)
         rows = rows.tolist()
         refused = [r for r in range(n) if rows[r][0]]
-        differ = not refused and len({tuple(x[1:]) for x in rows}) > 1
-        if not (refused or differ):
+        other_layer = [r for r in range(n) if not refused and rows[r][4] != rows[0][4]]
+        other_step = not refused and len({tuple(x[1:4]) for x in rows}) > 1
+        if not (refused or other_layer or other_step):
             return
         self._fixed_count[0] += 1
         self.backend.invalidate_plans()
@@ -259,10 +278,15 @@ class TwoStageAttention:
                 f"expected every rank of the DCP group to accept this step's metadata, got a refusal on rank(s) "
                 f"{refused} (their error names the argument)"
             )
+        if other_layer:
+            raise ValueError(
+                "expected the same layer on every rank of the DCP group (config, world_size, interleave, combine, "
+                f"dtype), got rank(s) {other_layer} with another than rank 0"
+            )
         counts = ", ".join(f"rank {r}: T={x[1]} B={x[2]}" for r, x in enumerate(rows))
         raise ValueError(
-            "expected the same query_start_loc and seq_lens on every rank of the DCP group, got values that differ "
-            f"across ranks ({counts})"
+            "expected the same query_start_loc, seq_lens and parents on every rank of the DCP group, got values "
+            f"that differ across ranks ({counts})"
         )
 
     def _plan(self, query_start_loc, seq_lens, block_table, parents, num_pages) -> StepPlan:
