@@ -240,8 +240,9 @@ def test_config_errors():
         AttentionConfig(4, 16, 16, 4, 0.1, 1, "mha")
     with pytest.raises(ValueError, match="num_heads to be a positive int, got 0"):
         AttentionConfig(0, 16, 16, 4, 0.1)
-    with pytest.raises(ValueError, match="scale > 0"):
-        AttentionConfig(4, 16, 16, 4, 0.0)
+    for bad in (0.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="scale to be a finite number > 0"):
+            AttentionConfig(4, 16, 16, 4, bad)
 
 
 def _one_rank_step(cfg: AttentionConfig, **kw):
@@ -296,3 +297,12 @@ def test_no_float64_layer():
     cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
     with pytest.raises(ValueError, match=r"reference: dtype torch.float64 not in"):
         TwoStageAttention(cfg, DCPLayout(), dtype=torch.float64)
+
+
+def test_num_pages_must_be_a_positive_int():
+    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    x, attn = _one_rank_step(cfg)
+    for bad in (True, 0, 2.0):
+        with pytest.raises(ValueError, match=r"num_pages to be None or a positive int, got"):
+            attn.plan(x.query_start_loc, x.seq_lens, x.block_table, num_pages=bad)
+    attn.plan(x.query_start_loc, x.seq_lens, x.block_table, num_pages=x.k_cache.shape[0])

@@ -94,6 +94,36 @@ def test_bad_types():
         plan_step(torch.tensor([0, 1]), torch.tensor([2]), torch.zeros(2, 1, **I32), page_size=4, layout=DCPLayout())
     with pytest.raises(ValueError, match="layout to be a DCPLayout"):
         plan_step(torch.tensor([0, 1]), torch.tensor([2]), torch.zeros(1, 1, **I32), page_size=4, layout=(1, 0, 1))
+    with pytest.raises(ValueError, match="seq_lens to be a 1-D integer tensor, got torch.bool"):
+        plan_step(torch.tensor([0, 1]), torch.tensor([True]), torch.zeros(1, 1, **I32), page_size=4, layout=DCPLayout())
+
+
+def test_plan_keeps_copies_of_the_metadata():
+    # Kernels read the plan per layer: a caller's table changed after plan_step must not reach them
+    # (its page ids were checked at plan time).
+    qsl, sl, bt = torch.tensor([0, 1], **I32), torch.tensor([5], **I32), torch.zeros(1, 2, **I32)
+    plan = plan_step(qsl, sl, bt, page_size=4, layout=DCPLayout())
+    for t in (qsl, sl, bt):
+        t.fill_(7)
+    assert plan.query_start_loc.tolist() == [0, 1] and plan.seq_lens.tolist() == [5]
+    assert plan.block_table.tolist() == [[0, 0]]
+
+
+def test_write_new_tokens_checks_cache_and_new():
+    plan = plan_step(torch.tensor([0, 2], **I32), torch.tensor([6], **I32), torch.tensor([[0, 1]], **I32),
+                     page_size=4, layout=DCPLayout())  # fmt: skip
+    cache, new = torch.zeros(2, 4, 1, 8), torch.randn(2, 1, 8)
+    plan.write_new_tokens(cache, new)
+    assert torch.equal(cache[1, :2], new)  # positions 4 and 5: page 1
+    for bad_cache, bad_new, match in (
+        (torch.zeros(4, 2, 1, 8), new, r"cache: \(P, page_size = 4, H_kv, D\), got \(4, 2, 1, 8\)"),
+        (torch.zeros(8, 1, 8), new, r"cache: \(P, page_size = 4, H_kv, D\), got \(8, 1, 8\)"),
+        (cache, torch.randn(5, 1, 8), r"new: \(T, H_kv, D\) = \(2, 1, 8\) torch.float32 like cache, got \(5, 1, 8\)"),
+        (cache, new.bfloat16(), r"new: .* like cache, got \(2, 1, 8\) torch.bfloat16"),
+        (cache[:1], new, r"page ids < cache.shape\[0\] = 1"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            plan.write_new_tokens(bad_cache, bad_new)
 
 
 def test_negative_page_ids_in_use_are_refused():

@@ -15,6 +15,7 @@ per layer, ``out = attn(q, k, v, k_cache, v_cache, plan)``, which on rank r:
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -73,8 +74,8 @@ class AttentionConfig:
             raise ValueError(
                 f"expected num_heads to be a multiple of num_kv_heads = {self.num_kv_heads}, got {self.num_heads}"
             )
-        if not self.scale > 0:
-            raise ValueError(f"expected scale > 0, got {self.scale!r}")
+        if not (isinstance(self.scale, (int, float)) and 0 < self.scale < math.inf):
+            raise ValueError(f"expected scale to be a finite number > 0, got {self.scale!r}")
 
 
 def _check(name: str, t: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
@@ -297,7 +298,7 @@ class TwoStageAttention:
             query_start_loc, seq_lens, block_table, page_size=self.config.page_size, layout=self.layout, parents=parents
         )
         if num_pages is not None:
-            if not isinstance(num_pages, int) or num_pages < 1:
+            if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 1:
                 raise ValueError(f"expected num_pages to be None or a positive int, got {num_pages!r}")
             _check_pages(plan, "num_pages", num_pages)
         limits = self.backend.limits

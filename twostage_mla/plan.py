@@ -72,6 +72,13 @@ class StepPlan:
         cache: (P, page_size, H_kv, D), written in place; new: (T, H_kv, D), same dtype.
         No host synchronisation (indices come from the plan): call it per layer.
         """
+        if not isinstance(cache, torch.Tensor) or cache.dim() != 4 or cache.shape[1] != self.page_size:
+            got = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+            raise ValueError(f"expected cache: (P, page_size = {self.page_size}, H_kv, D), got {got}")
+        want = (self.num_tokens, *cache.shape[2:])
+        if not isinstance(new, torch.Tensor) or new.shape != want or new.dtype != cache.dtype:
+            got = f"{tuple(new.shape)} {new.dtype}" if isinstance(new, torch.Tensor) else type(new).__name__
+            raise ValueError(f"expected new: (T, H_kv, D) = {want} {cache.dtype} like cache, got {got}")
         _check_pages(self, "cache.shape[0]", cache.shape[0])
         cache.view(-1, *cache.shape[2:]).index_copy_(0, self.write_slots, new.index_select(0, self.write_rows))
 
@@ -91,7 +98,8 @@ def _new_token_slots(plan: StepPlan) -> torch.Tensor:
 
 
 def _int_tensor(name: str, x: Any, dim: int) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor) or x.dim() != dim or x.dtype.is_floating_point or x.is_complex():
+    bad = not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.is_complex() or x.dtype == torch.bool
+    if bad or x.dim() != dim:
         got = f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"expected {name} to be a {dim}-D integer tensor, got {got}")
     return x
@@ -224,12 +232,13 @@ def plan_step(
         max_q_len=max_q,
         max_context_len=max(ctx, default=0),
         max_local_context_len=max(local_ctx, default=0),
-        query_start_loc=qsl_t.to(torch.int32),
-        seq_lens=sl_t.to(torch.int32),
+        # Copies, not the caller's tensors: kernels read them per layer, after the checks above.
+        query_start_loc=qsl_t.to(torch.int32, copy=True),
+        seq_lens=sl_t.to(torch.int32, copy=True),
         q_lens=q_lens_t.to(**i32),
         context_lens=torch.tensor(ctx, **i32),
         local_context_lens=torch.tensor(local_ctx, **i32),
-        block_table=bt.to(torch.int32),
+        block_table=bt.to(torch.int32, copy=True),
         token_request=token_request.to(device),
         token_offset=token_offset.to(device),
         write_rows=torch.zeros(0, dtype=torch.int64, device=device),
