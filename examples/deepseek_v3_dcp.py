@@ -538,6 +538,9 @@ def main() -> None:
         ap.error(f"expected --prompt-lens >= 1 each, got {a.prompt_lens}")
     if a.page_size % a.interleave:
         ap.error(f"expected --page-size a multiple of --interleave = {a.interleave}, got {a.page_size}")
+    heads = tiny_config(**(REAL_DIMS if a.real_dims else {})).num_attention_heads
+    if heads % a.world_size:  # each rank keeps heads / N of them (tensor parallel)
+        ap.error(f"expected --world-size to divide the model's {heads} attention heads, got {a.world_size}")
     if a.device == "cuda" and torch.cuda.device_count() < a.world_size:
         ap.error(f"expected --device cuda with at least --world-size = {a.world_size} GPUs, "
                  f"found {torch.cuda.device_count()}")  # fmt: skip

@@ -18,10 +18,17 @@ import torch.distributed as dist
 from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention, oracle_attention
 from twostage_mla.layout import kv_slots, local_len
 
-p = argparse.ArgumentParser()
-p.add_argument("--cuda", action="store_true")
-p.add_argument("--interleave", type=int, default=1)
+p = argparse.ArgumentParser(description="One DCP step with draft tokens; start it with torchrun.")
+p.add_argument("--cuda", action="store_true", help="NCCL, one GPU a rank (default: gloo on CPUs)")
+p.add_argument("--interleave", type=int, default=1, help="I: tokens per rank in turn; divides the page size 64")
 args = p.parse_args()
+if "RANK" not in os.environ:
+    p.error("expected to be started by torchrun (RANK and WORLD_SIZE unset), e.g. torchrun --nproc-per-node 2 ...")
+if args.interleave < 1 or 64 % args.interleave:
+    p.error(f"expected --interleave to divide the page size 64, got {args.interleave}")
+if args.cuda and torch.cuda.device_count() < int(os.environ["LOCAL_WORLD_SIZE"]):
+    p.error(f"expected a GPU for each of the {os.environ['LOCAL_WORLD_SIZE']} local ranks with --cuda, "
+            f"found {torch.cuda.device_count()}")  # fmt: skip
 
 # --- the process group: in an engine, the DCP group inside the TP group -----------------
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

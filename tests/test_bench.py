@@ -57,12 +57,17 @@ def test_grid_arguments():
     assert a.context == [1024, 8192, 32768] and a.quick and a.batch is None
 
 
-def test_unknown_methods_and_backends_are_refused_by_name():
+def test_bad_options_are_refused_by_name():
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
     for argv, match in (
         (["--methods", "twostag"], r"--methods a comma list of twostage, onepass, expand, floor, got 'twostag'"),
         (["--backends", "flashinfr"], r"--backends 'all' or a comma list of .*got \['flashinfr'\]"),
+        (["--batch", "0,8"], r"--batch values >= 1, got \[0, 8\]"),
+        (["--heads", "16,-1"], r"--heads values >= 1"),
+        (["--page-size", "0"], r"--page-size >= 1, got 0"),
+        (["--rope-dim", "-1"], r"--rope-dim >= 0, got -1"),
+        (["--slow-ms", "0"], r"--slow-ms > 0, got 0.0"),
     ):
         with pytest.raises(ValueError, match=match):
             bench.run_bench(p.parse_args(argv))

@@ -57,18 +57,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=_ints, default=None, help="comma list, e.g. 1K,8K,32K,128K")
     p.add_argument("--q-len", type=_ints, default=None, help="comma list, e.g. 1,2,4,8")
     p.add_argument("--heads", type=_ints, default=None, help="comma list, e.g. 16,128")
-    p.add_argument("--methods", default="twostage,onepass,expand,floor")
+    p.add_argument("--methods", default="twostage,onepass,expand,floor", help="comma list of those four")
     p.add_argument("--backends", default="all", help="'all' (every GPU backend that serves MLA here) or a list")
-    p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--kv-lora-rank", type=int, default=512)
-    p.add_argument("--rope-dim", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
+    p.add_argument("--kv-lora-rank", type=int, default=512, help="MLA latent dim Dv (default 512)")
+    p.add_argument("--rope-dim", type=int, default=64, help="MLA rope dim, D = Dv + rope (default 64)")
     p.add_argument("--no-graph", action="store_true", help="time eager calls instead of CUDA-graph replays")
     p.add_argument("--unfused", action="store_true",
                    help="also time each backend with its own query pass and a separate merge (fuse_query=False), "
                         "as backend '<name>-unfused'; plain '<name>' is the layer's default")
     p.add_argument("--slow-ms", type=float, default=30.0,
                    help="a backend slower than this at a point is timed with 3 eager calls only")
-    p.add_argument("--out", default="benchmarks/results/bench.json")
+    p.add_argument("--out", default="benchmarks/results/bench.json", help="JSON records (default %(default)s)")
     p.add_argument("--plot", default=None, help="png path (default: --out with .png)")
 
 
@@ -202,6 +202,15 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     unknown = [n for n in asked or [] if n not in backend_names()]
     if unknown:
         raise ValueError(f"expected --backends 'all' or a comma list of {backend_names()}, got {unknown}")
+    for name, lo in (("batch", 1), ("context", 1), ("q_len", 1), ("heads", 1)):
+        values = getattr(args, name)
+        if values is not None and (not values or min(values) < lo):
+            raise ValueError(f"expected --{name.replace('_', '-')} values >= {lo}, got {values}")
+    for name, lo in (("page_size", 1), ("kv_lora_rank", 1), ("rope_dim", 0)):
+        if getattr(args, name) < lo:
+            raise ValueError(f"expected --{name.replace('_', '-')} >= {lo}, got {getattr(args, name)}")
+    if not args.slow_ms > 0:
+        raise ValueError(f"expected --slow-ms > 0, got {args.slow_ms}")
     if not torch.cuda.is_available():
         raise ValueError("expected a CUDA GPU for bench (torch.cuda.is_available() is False)")
     grid = dict(QUICK if args.quick else FULL)
