@@ -1,4 +1,4 @@
-"""Command line: ``twostage-mla demo|check|bench`` (also ``python -m twostage_mla ...``)."""
+"""Command line: twostage-mla demo|check|bench (also python -m twostage_mla ...)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     check = sub.add_parser("check", help="run every backend this machine has against the float64 oracle")
     check.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
-    check.add_argument("--dtype", action="append", default=[], help="repeatable; default: bf16, fp16 on GPU")
-    check.add_argument("--json", action="store_true")
+    check.add_argument(
+        "--dtype",
+        action="append",
+        default=[],
+        help="float32|bfloat16|float16 (or fp32, bf16, fp16), repeatable; default: bf16 and fp16 on a GPU, "
+        "float32 and bf16 on the CPU",
+    )
+    check.add_argument("--json", action="store_true", help="print a JSON list of rows instead of the table")
     bench = sub.add_parser("bench", help="time twostage vs onepass / expand / floor on one GPU; JSON, table, plot")
     from twostage_mla.bench import add_arguments  # light: the GPU work starts in run_bench
 

@@ -48,6 +48,7 @@ _REGISTRY: list[type[AttentionBackend]] = [
 
 
 def backend_names() -> list[str]:
+    """Names of the registered backends, in the order "auto" tries them (the reference last)."""
     return [b.name for b in _REGISTRY]
 
 

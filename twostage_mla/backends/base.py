@@ -77,6 +77,10 @@ class AttentionSpec:
         of K) or "gqa" (separate K and V caches, num_kv_heads heads).
     num_heads: query heads on this rank (H_loc); the context pass sees
         world_size * num_heads of them after the all-gather.
+    num_kv_heads: H_kv (1 for MLA). head_dim: D of q and K (MLA: latent + rope).
+    head_dim_v: Dv of V and the output (MLA: the latent). page_size: tokens
+        per cache page. world_size: N. scale: softmax scale of q . k.
+    dtype: of q, K, V and the output. device: where the layer runs.
     """
 
     kv_format: str
@@ -186,7 +190,8 @@ class AttentionBackend:
         k_cache: (P, page_size, H_kv, D); v_cache: (P, page_size, H_kv, Dv)
             (for MLA a view of k_cache's first Dv values).
         Request b reads slots 0 .. plan.local_context_lens[b]-1 through
-        plan.block_table[b]. returns o (T, H, Dv) q.dtype, lse (T, H) float32.
+        plan.block_table[b]. returns o (T, world_size*num_heads, Dv) q.dtype and
+        lse (T, world_size*num_heads) float32, heads as in q.
         """
         raise NotImplementedError
 
