@@ -22,8 +22,9 @@ p = argparse.ArgumentParser(description="One DCP step with draft tokens; start i
 p.add_argument("--cuda", action="store_true", help="NCCL, one GPU a rank (default: gloo on CPUs)")
 p.add_argument("--interleave", type=int, default=1, help="I: tokens per rank in turn; divides the page size 64")
 args = p.parse_args()
-if "RANK" not in os.environ:
-    p.error("expected to be started by torchrun (RANK and WORLD_SIZE unset), e.g. torchrun --nproc-per-node 2 ...")
+missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") if v not in os.environ]
+if missing:
+    p.error(f"expected to be started by torchrun ({', '.join(missing)} unset), e.g. torchrun --nproc-per-node 2 ...")
 if args.interleave < 1 or 64 % args.interleave:
     p.error(f"expected --interleave to divide the page size 64, got {args.interleave}")
 if args.cuda and torch.cuda.device_count() < int(os.environ["LOCAL_WORLD_SIZE"]):

@@ -181,6 +181,10 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
     for kw in (dict(combine=("a2a", "ag_rs")[rank % 2]), dict(cfg=replace(cfg, scale=0.2 + 0.1 * rank))):
         odd = TwoStageAttention(kw.pop("cfg", cfg), layout, group=dist.group.WORLD, dtype=torch.float32, **kw)
         expect(odd.plan, x.query_start_loc, x.seq_lens, x.block_table)
+    # ... compared by value: scale 1 and 1.0 are the same layer.
+    same = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=(1, 1.0)[rank % 2])
+    expect(TwoStageAttention(same, layout, group=dist.group.WORLD, dtype=torch.float32).plan, x.query_start_loc,
+           x.seq_lens, x.block_table)  # fmt: skip
     # Each of the steps the group refused on this layer dropped the earlier plans on every rank alike
     # (FlashInfer's wrappers hold one step's plan; those of the ranks that accepted were re-planned).
     assert calls == [1] * 6, calls
@@ -225,6 +229,7 @@ def test_bad_input_raises_before_any_collective(world):
             r"same query_start_loc, seq_lens and parents on every rank",
             r"same layer on every rank of the DCP group \(config, .*combine, dtype\), got rank\(s\) \[1\]",
             r"same layer on every rank of the DCP group .* got rank\(s\) \[1\] with another than rank 0",
+            r"^no error$",
         ]
         assert len(messages) == len(expected), messages
         for m, pattern in zip(messages, expected):

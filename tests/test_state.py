@@ -1,9 +1,7 @@
-import math
-
 import pytest
 import torch
 
-from twostage_mla.state import merge_state, merge_state_, merge_states, normalize_lse
+from twostage_mla.state import merge_state, merge_state_, merge_states
 
 
 def state(s: torch.Tensor, v: torch.Tensor):
@@ -72,14 +70,6 @@ def test_bf16_merge_accumulates_in_float32():
     assert om.dtype == torch.bfloat16 and lm.dtype == torch.float32
     ref, _ = merge_states(o.double(), lse.double())
     assert (om.double() - ref).abs().max() < 2e-2
-
-
-def test_normalize_lse():
-    raw = torch.tensor([1.0, float("inf"), float("nan"), float("-inf")])
-    out = normalize_lse(raw)
-    assert out.dtype == torch.float32
-    assert out[0] == 1.0 and torch.isneginf(out[1:]).all()
-    torch.testing.assert_close(normalize_lse(torch.tensor([3.0]), base2=True), torch.tensor([3.0 * math.log(2)]))
 
 
 def test_shape_errors_name_arguments():

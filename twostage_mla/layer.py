@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -74,7 +74,7 @@ class AttentionConfig:
             raise ValueError(
                 f"expected num_heads to be a multiple of num_kv_heads = {self.num_kv_heads}, got {self.num_heads}"
             )
-        if not (isinstance(self.scale, (int, float)) and 0 < self.scale < math.inf):
+        if isinstance(self.scale, bool) or not (isinstance(self.scale, (int, float)) and 0 < self.scale < math.inf):
             raise ValueError(f"expected scale to be a finite number > 0, got {self.scale!r}")
 
 
@@ -212,7 +212,9 @@ class TwoStageAttention:
         self._fixed: dict[str, torch.Tensor] = {}
         self._fixed_count = [0]  # plans written into them; a plan keeps its number (StepPlan.fixed_version)
         # What every rank's layer must share, compared in plan() (the backend may differ: same maths).
-        self._digest = _digest(config, layout.world_size, layout.interleave, combine, dtype)
+        # By value, not repr: scale=1 and scale=1.0 (or a numpy float) are the same layer.
+        layer = [float(v).hex() if f.name == "scale" else v for f in fields(config) for v in [getattr(config, f.name)]]
+        self._digest = _digest(*layer, layout.world_size, layout.interleave, combine, dtype)
 
     def plan(
         self,

@@ -17,7 +17,6 @@ merging two empty states gives the empty state (never NaN).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -28,27 +27,12 @@ NEG_INF = float("-inf")
 MergeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def normalize_lse(lse: torch.Tensor, *, base2: bool = False) -> torch.Tensor:
-    """Bring a kernel's lse to this library's convention.
-
-    lse: any shape, any float dtype, as the kernel returned it (rows with no
-        keys may hold +inf, -inf or NaN depending on the kernel).
-    base2: the kernel returned log2 (FlashInfer's default).
-    returns: same shape, float32, natural log, -inf for rows with no keys.
-    """
-    lse = lse.float()
-    if base2:
-        lse = lse * math.log(2.0)  # a Python constant: no tensor made per call (CUDA-graph safe)
-    bad = torch.isnan(lse) | torch.isposinf(lse)
-    return lse.masked_fill(bad, NEG_INF)
-
-
 def lse_weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merged lse and each state's weight exp(lse_k - lse), over dim 0.
 
-    lses: (K, ...) float32, -inf for empty states (no +inf or NaN: see
-    :func:`normalize_lse`). returns lse (...) and weights (K, ...) summing to
-    1, or all 0 (not NaN) where every state is empty.
+    lses: (K, ...) float32, -inf for empty states. returns lse (...) and
+    weights (K, ...) summing to 1, or all 0 (not NaN) where every state is
+    empty; NaN where a state's lse is NaN.
     """
     # Shift by the largest lse and divide by the sum: the weights then sum to 1 however large
     # the lse (exp(lse_k - logsumexp) alone carries logsumexp's rounding, ~|lse| * 2^-24, into o).
@@ -72,8 +56,8 @@ def merge_states(
     """Merge K states over disjoint key sets, stacked on dim 0.
 
     o: (K, T, H, Dv) any float dtype.
-    lse: (K, T, H) float32, natural log, -inf for empty states (no +inf or
-        NaN: kernels' lse goes through :func:`normalize_lse` first).
+    lse: (K, T, H) float32, natural log, -inf for empty states (their o is
+        not read, so it may be garbage); a NaN lse makes that row NaN.
     out_dtype: dtype of the merged o (default: o's dtype).
     extra: optional one more state (o (T, H, Dv), lse (T, H)) to merge in.
     returns: o (T, H, Dv) out_dtype, lse (T, H) float32.
