@@ -197,14 +197,19 @@ def test_capture_limits_with_the_fused_query_pass(emulated):
     for s, x in zip(steps, xs):
         plans.append(attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents))
         if x.parents is None:  # a chain: the causal mask
-            assert plans[-1].query_mask[0].tolist() == torch.ones(8, 8, dtype=torch.bool).tril().tolist()
+            assert plans[-1].fused_plan.query_mask[0].tolist() == torch.ones(8, 8, dtype=torch.bool).tril().tolist()
         out = attn(x.q, x.k, None, x.k_cache, None, plans[-1])
         assert torch.allclose(out.double(), synthetic.oracle(s, cfg.scale)[0], atol=1e-5)
     for name in ("token_offset", "token_request", "query_start_loc", "query_mask"):  # one buffer each, refilled
-        assert len({getattr(p, name).data_ptr() for p in plans}) == 1, name
-    assert plans[-1].token_offset.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+        assert len({getattr(p.fused_plan, name).data_ptr() for p in plans}) == 1, name
+    assert plans[-1].fused_plan.token_offset.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
     with pytest.raises(ValueError, match="latest plan"):
         attn(xs[0].q, xs[0].k, None, xs[0].k_cache, None, plans[0])
+    # An older plan's own fields stay its own (an engine may plan the next step before writing this one's K).
+    assert plans[0].query_start_loc.tolist() == [0, 2, 8] and plans[0].token_offset.tolist()[:3] == [0, 1, 0]
+    unlimited = _fused(_layer("flashinfer", cfg, DCPLayout()))
+    fresh = unlimited.plan(xs[0].query_start_loc, xs[0].seq_lens, xs[0].block_table)
+    assert torch.equal(plans[0].new_token_slots(), fresh.new_token_slots())
     # A plan of another B has wrappers of its own, but the layer's fixed buffers are shared: refused too.
     one = synthetic.make_step([12], [3], heads=4, head_dim=80, head_dim_v=64, seed=9)
     x1 = synthetic.rank_inputs(one, DCPLayout(), 16, mla=True, dtype=torch.float32, device="cpu")
@@ -230,6 +235,14 @@ def test_capture_limits_with_the_fused_query_pass(emulated):
     x = xs[1]
     out = long(x.q, x.k, None, x.k_cache, None, long.plan(x.query_start_loc, x.seq_lens, x.block_table))
     assert torch.allclose(out.double(), synthetic.oracle(steps[1], cfg.scale)[0], atol=1e-5)
+    # A plan holds what its layer's kernels need: a layer without the fused kernel or the limits refuses it.
+    for other in (unfused, unlimited):
+        with pytest.raises(ValueError, match=r"expected plan from plan\(\) of a layer with this config .*fused="):
+            other(x.q, x.k, None, x.k_cache, None, long.plan(x.query_start_loc, x.seq_lens, x.block_table))
+    # An empty step is checked against the limits too (FlashInfer plans nothing for it).
+    three = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"within max_batch_size = 2 \(the layer's capture limits\), got 3"):
+        attn.plan(three, torch.tensor([5, 6, 7], dtype=torch.int32), torch.zeros(3, 2, dtype=torch.int32))
 
 
 def test_capture_limits_are_checked():
@@ -238,6 +251,9 @@ def test_capture_limits_are_checked():
     with pytest.raises(ValueError, match="got max_batch_size without max_tokens, max_pages"):
         CaptureLimits(max_batch_size=2)
     assert not CaptureLimits().given and CaptureLimits(1, 2, 3).given
+    with pytest.raises(ValueError, match="max_q_len to be None or a positive int, got True"):
+        CaptureLimits(2, 8, 8, max_q_len=True)
+    assert CaptureLimits(2, 8, 8, max_q_len=64).longest_request == 8  # no request is longer than a step
 
 
 def test_auto_and_forced_selection_on_cpu():

@@ -274,7 +274,7 @@ def test_plan_of_another_config_is_refused():
         dtype=torch.float32,
     )
     plan = other.plan(x.query_start_loc, x.seq_lens, x.block_table)
-    with pytest.raises(ValueError, match=r"with this config .*scale=0.2\), got .*scale=0.3"):
+    with pytest.raises(ValueError, match=r"with this config .*scale=0.2, fused=False\), got .*scale=0.3, fused=False$"):
         attn(x.q, x.k, None, x.k_cache, None, plan)
     # another instance with the same config may share the plan (one plan per step for all layers)
     twin = TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32)

@@ -216,6 +216,11 @@ class TwoStageAttention:
         layer = [float(v).hex() if f.name == "scale" else v for f in fields(config) for v in [getattr(config, f.name)]]
         self._digest = _digest(*layer, layout.world_size, layout.interleave, combine, dtype)
 
+    @property
+    def _made_for(self) -> tuple[bool, CaptureLimits]:
+        """A plan serves layers that planned alike: the fused kernel and the limits decide what it holds."""
+        return self.query_merge is not None, self.backend.limits
+
     def plan(
         self,
         query_start_loc: torch.Tensor,
@@ -319,13 +324,14 @@ class TwoStageAttention:
                 f"expected requests of at most max_q_len = {limits.longest_request} tokens (capture limits), "
                 f"got one of {plan.max_q_len}"
             )
-        state = self.backend.plan(plan)  # checks the step against the limits
+        limits.check(max_batch_size=plan.batch_size, max_tokens=plan.num_tokens)  # an empty step too
+        state = self.backend.plan(plan)  # checks the pages against the limits
         if limits.given and self.query_merge is not None:
             plan = self._into_fixed_buffers(plan, masked)
-        return replace(plan, backend=self.backend.name, backend_state=state, spec=self.spec)
+        return replace(plan, backend=self.backend.name, backend_state=state, spec=self.spec, made_for=self._made_for)
 
     def _into_fixed_buffers(self, plan: StepPlan, masked: bool) -> StepPlan:
-        """The plan with what the fused kernel reads copied into the layer's fixed buffers."""
+        """The plan, stamped, with fused_plan: a copy whose kernel indices are the layer's fixed buffers."""
         limits, t, b, dev = self.backend.limits, plan.num_tokens, plan.batch_size, self.device
         if not self._fixed:
             n = limits.longest_request
@@ -350,7 +356,8 @@ class TwoStageAttention:
                 q = plan.max_q_len
                 mask.zero_()[:, :q, :q].copy_(plan.query_mask)
             fixed["query_mask"] = mask
-        return replace(plan, **fixed)
+        version = fixed.pop("fixed_version")
+        return replace(plan, fixed_version=version, fused_plan=replace(plan, **fixed))
 
     def __call__(
         self,
@@ -375,18 +382,23 @@ class TwoStageAttention:
 
         No host synchronisation: capturable in a CUDA graph once planned.
         """
-        ok = isinstance(plan, StepPlan) and (plan.backend, plan.spec, plan.layout) == (
+        ok = isinstance(plan, StepPlan) and (plan.backend, plan.spec, plan.layout, plan.made_for) == (
             self.backend.name,
             self.spec,
             self.layout,
+            self._made_for,
         )
         if not ok:  # a plan of another config would run with its heads, scale or metadata
+            def made_for(key: tuple | None) -> str:
+                return "" if key is None else f", fused={key[0]}" + (f", {key[1]}" if key[1].given else "")
+
             raise ValueError(
                 f"expected plan from plan() of a layer with this config (backend {self.backend.name!r}, "
-                f"{self.layout}, {self.spec.summary()}, scale={self.spec.scale}), got "
+                f"{self.layout}, {self.spec.summary()}, scale={self.spec.scale}{made_for(self._made_for)}), got "
                 + (
                     f"backend {plan.backend!r}, {plan.layout}, "
                     + (f"{plan.spec.summary()}, scale={plan.spec.scale}" if plan.spec else "no spec")
+                    + made_for(plan.made_for)
                     if isinstance(plan, StepPlan)
                     else type(plan).__name__
                 )
@@ -442,6 +454,7 @@ class TwoStageAttention:
             if self.query_merge is None:
                 out, lse = self.merge(o_c, lse_c, extra=(o_q, lse_q), out_dtype=self.dtype)
             else:  # query pass and merge in one kernel
-                out, lse = self.query_merge(q_local, k, v, plan, o_c, lse_c, scale=cfg.scale, out_dtype=self.dtype,
-                                            max_q_len=self.backend.limits.longest_request)  # fmt: skip
+                kplan, longest = plan.fused_plan or plan, self.backend.limits.longest_request
+                out, lse = self.query_merge(q_local, k, v, kplan, o_c, lse_c, scale=cfg.scale, out_dtype=self.dtype,
+                                            max_q_len=longest)  # fmt: skip
         return (out, lse) if return_lse else out

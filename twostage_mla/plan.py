@@ -61,6 +61,10 @@ class StepPlan:
     # written into its fixed buffers ([int], shared) and this plan's number. Only the latest plan's
     # indices are in those buffers.
     fixed_version: Any = None
+    # ... and this plan with its per-token indices and mask as views of those buffers: what the
+    # kernel reads (a graph replays their addresses). The fields above stay this plan's own.
+    fused_plan: Any = None
+    made_for: Any = None  # (fused query pass, capture limits) of the layer that planned it
 
     def new_token_slots(self) -> torch.Tensor:
         """(T,) int64: flat slot of each new token in this rank's cache, -1 if not here."""

@@ -46,7 +46,7 @@ class CaptureLimits:
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_tokens", "max_pages", "max_q_len"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"expected {name} to be None or a positive int, got {v!r}")
         three = {"max_batch_size": self.max_batch_size, "max_tokens": self.max_tokens, "max_pages": self.max_pages}
         missing = [k for k, v in three.items() if v is None]
@@ -66,7 +66,14 @@ class CaptureLimits:
     @property
     def longest_request(self) -> int | None:
         """Tokens of one request at most in any step, where the limits are given; else None."""
-        return (self.max_q_len or self.max_tokens) if self.given else None
+        return min(self.max_q_len or self.max_tokens, self.max_tokens) if self.given else None
+
+    def check(self, **have: int) -> None:
+        """Raise unless each named count (e.g. max_tokens=T) is within its limit, where given."""
+        for name, value in have.items():
+            cap = getattr(self, name)
+            if cap is not None and value > cap:
+                raise ValueError(f"expected a step within {name} = {cap} (the layer's capture limits), got {value}")
 
 
 @dataclass(frozen=True)

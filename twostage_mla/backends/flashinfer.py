@@ -164,13 +164,7 @@ class FlashInferBackend(AttentionBackend):
             if self._shared is None:
                 self._shared = self._make(None)
             return self._shared
-        for name, have, cap in (
-            ("max_batch_size", plan.batch_size, lim.max_batch_size),
-            ("max_tokens", plan.num_tokens, lim.max_tokens),
-            ("max_pages", pages, lim.max_pages),
-        ):
-            if have > cap:
-                raise ValueError(f"expected a step within {name} = {cap} (the layer's capture limits), got {have}")
+        lim.check(max_batch_size=plan.batch_size, max_tokens=plan.num_tokens, max_pages=pages)
         if plan.batch_size not in self._by_batch:
             self._by_batch[plan.batch_size] = self._make(plan.batch_size)
         return self._by_batch[plan.batch_size]
