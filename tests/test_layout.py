@@ -67,6 +67,18 @@ def test_kv_slots_with_an_empty_table():
     assert slots.tolist() == [-1, -1, -1]
 
 
+def test_kv_slots_refuse_a_table_too_narrow():
+    # Rank 0 of N=2, I=4, page 4: positions 16 and 20 are its local slots 8 and 12, past a 2-page
+    # table; clamped, they would land on the live slots of positions 8 and 12.
+    table = torch.tensor([[3, 5]], dtype=torch.int32)
+    pos = torch.tensor([0, 8, 16, 20])
+    with pytest.raises(ValueError, match=r"at least 3 pages per request, got 2: position 16 is this rank's local slot"):
+        kv_slots(pos, torch.zeros(4, dtype=torch.long), table, 4, DCPLayout(2, 0, 4))
+    with pytest.raises(ValueError, match=r"at least 1 pages per request, got 0"):
+        kv_slots(pos, torch.zeros(4, dtype=torch.long), table[:, :0], 4, DCPLayout(2, 0, 4))
+    assert kv_slots(pos[:2], torch.zeros(2, dtype=torch.long), table, 4, DCPLayout(2, 0, 4)).tolist() == [12, 20]
+
+
 def test_layout_rejects_bad_values():
     with pytest.raises(ValueError, match="world_size >= 1"):
         DCPLayout(0, 0, 1)

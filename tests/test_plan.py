@@ -124,6 +124,10 @@ def test_write_new_tokens_checks_cache_and_new():
     ):
         with pytest.raises(ValueError, match=match):
             plan.write_new_tokens(bad_cache, bad_new)
+    # A layer's cache may be a view of a larger buffer (e.g. (P, layers, page, H_kv, D)): any strides.
+    big = torch.zeros(2, 3, 4, 1, 8)
+    plan.write_new_tokens(big[:, 1], new)
+    assert torch.equal(big[1, 1, :2], new) and big[:, [0, 2]].eq(0).all() and big[0].eq(0).all()
 
 
 def test_negative_page_ids_in_use_are_refused():

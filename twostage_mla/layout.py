@@ -86,6 +86,8 @@ def kv_slots(
     block_table: torch.Tensor,
     page_size: int,
     layout: DCPLayout,
+    *,
+    check: bool = True,
 ) -> torch.Tensor:
     """Flat cache slot of each position on this rank, or -1 where another rank owns it.
 
@@ -93,20 +95,29 @@ def kv_slots(
     request: (T,) int, the request (row of ``block_table``) each token belongs to.
     block_table: (B, max_pages) int32, this rank's pages per request.
     returns: (T,) int64; slot s means ``cache.view(-1, ...)[s]``, i.e. page
-        ``s // page_size``, offset ``s % page_size``. The table must cover every
-        position this rank owns (:func:`plan_step` checks that).
+        ``s // page_size``, offset ``s % page_size``.
+    check: raise unless the table covers every position this rank owns (a
+        host sync); :class:`StepPlan` skips it, as :func:`plan_step` checked
+        the table's width. Unchecked, such a position maps to a wrong slot.
 
     Use it to write the step's new K/V (or a prefill) into this rank's shard:
     ``keep = slots >= 0; cache.view(-1, H, D)[slots[keep]] = k[keep]``.
     """
     n, i = layout.world_size, layout.interleave
     positions = positions.long()
+    li = local_index(positions, n, i)
+    mine = owner(positions, n, i) == layout.rank
+    past = (li // page_size >= block_table.shape[1]) & mine
+    if check and bool(past.any()):
+        t = int(past.nonzero()[0])
+        raise ValueError(
+            f"expected block_table with at least {int(li[t]) // page_size + 1} pages per request, got "
+            f"{block_table.shape[1]}: position {int(positions[t])} is this rank's local slot {int(li[t])}"
+        )
     if block_table.shape[1] == 0:  # this rank holds nothing of these requests
         return torch.full_like(positions, -1)
-    li = local_index(positions, n, i)
     # Positions owned elsewhere can index past this rank's table: clamp, then mask.
     col = (li // page_size).clamp(max=block_table.shape[1] - 1)
     page = block_table.long()[request.long(), col]
     slots = page * page_size + li % page_size
-    mine = owner(positions, n, i) == layout.rank
     return torch.where(mine, slots, torch.full_like(slots, -1))

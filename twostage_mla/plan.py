@@ -73,7 +73,11 @@ class StepPlan:
     def write_new_tokens(self, cache: torch.Tensor, new: torch.Tensor) -> None:
         """Store the step's fresh K (or V) of the tokens this rank owns into its shard.
 
-        cache: (P, page_size, H_kv, D), written in place; new: (T, H_kv, D), same dtype.
+        Token i of a request goes to position C + i: in a tree step, its index, not its depth
+        (after verification, write the accepted path again at C + depth with ``kv_slots``).
+
+        cache: (P, page_size, H_kv, D), any strides (a view of a larger buffer too), written in
+        place; new: (T, H_kv, D), same dtype.
         No host synchronisation (indices come from the plan): call it per layer.
         """
         if not isinstance(cache, torch.Tensor) or cache.dim() != 4 or cache.shape[1] != self.page_size:
@@ -84,7 +88,8 @@ class StepPlan:
             got = f"{tuple(new.shape)} {new.dtype}" if isinstance(new, torch.Tensor) else type(new).__name__
             raise ValueError(f"expected new: (T, H_kv, D) = {want} {cache.dtype} like cache, got {got}")
         _check_pages(self, "cache.shape[0]", cache.shape[0])
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, self.write_slots, new.index_select(0, self.write_rows))
+        page, offset = self.write_slots // self.page_size, self.write_slots % self.page_size
+        cache.index_put_((page, offset), new.index_select(0, self.write_rows))
 
 
 def _check_pages(plan: StepPlan, name: str, pages: int) -> None:
@@ -98,7 +103,7 @@ def _check_pages(plan: StepPlan, name: str, pages: int) -> None:
 
 def _new_token_slots(plan: StepPlan) -> torch.Tensor:
     positions = plan.context_lens.long()[plan.token_request] + plan.token_offset
-    return kv_slots(positions, plan.token_request, plan.block_table, plan.page_size, plan.layout)
+    return kv_slots(positions, plan.token_request, plan.block_table, plan.page_size, plan.layout, check=False)
 
 
 def _int_tensor(name: str, x: Any, dim: int) -> torch.Tensor:
