@@ -315,6 +315,21 @@ def test_layer_checks_on_cuda(name):
         _check(step, cfg, torch.bfloat16, out, lse, f"{name} under capture limits")
 
 
+def test_write_new_tokens_in_a_cuda_graph():
+    """The per-layer store of the step's K: no host sync (capturable), any cache strides."""
+    cfg = _config("mla", 16, 64)
+    step, x, attn, plan = _run("reference", cfg, torch.bfloat16, [100, 700], [4, 2], seed=6)
+    big = torch.zeros(x.k_cache.shape[0], 2, *x.k_cache.shape[1:], dtype=torch.bfloat16, device=DEV)
+    cache = big[:, 1]  # one layer's cache inside a (P, layers, page, H_kv, D) buffer
+    g, _ = _graph(lambda: plan.write_new_tokens(cache, x.k))
+    cache.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    slots = plan.new_token_slots()
+    flat = cache.reshape(-1, *cache.shape[2:])  # a copy: read only
+    assert torch.equal(flat[slots[slots >= 0]], x.k[slots >= 0]) and big[:, 0].eq(0).all()
+
+
 def test_auto_and_forced_refusals_on_this_gpu():
     mla = _spec(_config("mla", 16, 64), torch.bfloat16)
     best = select_backend(mla)
