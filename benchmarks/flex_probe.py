@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -23,21 +24,14 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention
 from twostage_mla.backends import refusals
+from twostage_mla.bench import _events_us
 
 
 def _time_us(fn, reps: int) -> float:
     """Median of reps CUDA-event timings of fn(), after two warm-up calls."""
     for _ in range(2):
         fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return statistics.median(_events_us(fn, reps))
 
 
 def probe(b: int, c: int, q_len: int, heads: int, dev: torch.device, reps: int, options: dict) -> dict:
