@@ -10,6 +10,9 @@ per layer, ``out = attn(q, k, v, k_cache, v_cache, plan)``, which on rank r:
 3. context pass: gathered q over this rank's shard, non-causal -> (o_c, lse_c)
 4. combine across ranks by LSE (a2a or ag_rs) -> (o_ctx, lse_ctx), own heads
 5. merge with (o_q, lse_q) -> output
+
+With the fused query pass (the default on CUDA in bf16/fp16), 1. runs inside 5.,
+one Triton kernel, and nothing overlaps 2.
 """
 
 from __future__ import annotations
@@ -119,8 +122,9 @@ class TwoStageAttention:
         all three given, the layer and its backend keep every per-step index
         they read in fixed buffers, so a graph captured once replays correctly
         after later plans of the same B and T. Only a backend that can do so
-        serves them (flashinfer); a plan stays valid until the next plan() of
-        the layer that made it. Without them a captured graph is valid for the
+        serves them (flashinfer); with the fused query pass a plan stays valid
+        until the next plan() of the layer that made it (unfused, FlashInfer
+        keeps one plan per B). Without them a captured graph is valid for the
         plan it was captured with.
     max_q_len: with those three, the most tokens of one request in any step
         (default max_tokens). With the fused query pass and max_q_len <= 16
@@ -258,8 +262,8 @@ class TwoStageAttention:
         parents, digest of the layer: config, world size, interleave, combine, dtype): the step
         and the layer are the same on every rank, or the layer's collectives would not match (a
         hang, or a silently wrong answer). Where the group refuses, every rank also drops the plans
-        it made before (some ranks' kernels were re-planned, the refusing ones' not), so all
-        refuse them alike.
+        it made before that its kernels hold (some ranks' were re-planned, the refusing ones' not),
+        so all refuse them alike (invalidate_plans; a no-op where plans hold their own tensors).
         """
         n = self.layout.world_size
         if n == 1:

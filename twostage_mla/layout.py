@@ -11,7 +11,8 @@ slot ``(p // (N*I)) * I + p % I``. Worked example, N = 2, I = 2::
     local_len(9, 0) = 5  (positions 0 1 4 5 8),  local_len(9, 1) = 4
 
 Every function here works elementwise on integer tensors (or Python ints) and
-needs no host synchronisation.
+needs no host synchronisation, except kv_slots' check of the table's width
+(``check=True``, its default).
 """
 
 from __future__ import annotations
@@ -98,10 +99,12 @@ def kv_slots(
         ``s // page_size``, offset ``s % page_size``.
     check: raise unless the table covers every position this rank owns (a
         host sync); :class:`StepPlan` skips it, as :func:`plan_step` checked
-        the table's width. Unchecked, such a position maps to a wrong slot.
+        the table's width. Unchecked, such a position maps to a wrong slot
+        (or to -1 with a table of no columns).
 
     Use it to write the step's new K/V (or a prefill) into this rank's shard:
-    ``keep = slots >= 0; cache.view(-1, H, D)[slots[keep]] = k[keep]``.
+    ``keep = slots >= 0; cache.view(-1, H, D)[slots[keep]] = k[keep]`` for a
+    contiguous cache, or ``cache[s // page_size, s % page_size] = ...``.
     """
     n, i = layout.world_size, layout.interleave
     positions = positions.long()

@@ -50,8 +50,8 @@ class StepPlan:
     token_offset: torch.Tensor  # (T,) int64, j: index of the token within its request
     write_rows: torch.Tensor  # (W,) int64, tokens of the step this rank stores
     write_slots: torch.Tensor  # (W,) int64, their flat slots in this rank's cache
-    # (B, W, W) bool, [b, j, i]: token j of request b sees fresh key i; None = causal. W = max_q_len,
-    # or wider in the plans of a layer under capture limits (a fixed buffer, causal on causal steps).
+    # (B, max_q_len, max_q_len) bool, [b, j, i]: token j of request b sees fresh key i; None =
+    # causal. A fused_plan's (below) is wider: the layer's fixed buffer, causal on causal steps.
     query_mask: torch.Tensor | None = None
     max_page_id: int = -1  # the largest page id the step uses on this rank (-1: none), checked against caches
     backend: str | None = None

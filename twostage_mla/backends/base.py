@@ -33,7 +33,7 @@ class CaptureLimits:
     None everywhere (the default): buffers follow each step, and a captured
     graph stays valid only for the plan it was captured with.
     max_q_len: tokens of one request at most (optional, only with the three
-    above; None means max_tokens). Where it is <= 16 the fused query kernel
+    above; None means max_tokens, and more counts as max_tokens). Where it is <= 16 the fused query kernel
     compiles a faster variant and the layer keeps a fixed tree mask.
     Some of the three without the others raise.
     """

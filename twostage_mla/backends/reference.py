@@ -53,7 +53,7 @@ def dense_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPla
     if mask is None:
         j = torch.arange(plan.max_q_len, device=q.device)
         mask = (j[None, :] <= j[:, None]).expand(plan.batch_size, -1, -1)
-    else:  # a layer under capture limits keeps a wider, fixed mask
+    else:  # a mask may be wider than the step (a fixed buffer's): its top-left corner
         mask = mask[: plan.batch_size, : plan.max_q_len, : plan.max_q_len]
     o, lse = dense_attention(_pad(q, plan), _pad(k, plan), _pad(v, plan), mask, scale)
     return o[plan.token_request, plan.token_offset].to(q.dtype), lse[plan.token_request, plan.token_offset]

@@ -1,8 +1,8 @@
 """Triton kernel: merge K attention states, plus an optional extra one, in one pass.
 
-It serves every merge of the layer: the a2a combine fused with the final merge
-of the query pass (K = N received states + the query state), and the final
-merge alone (K = 1 + the query state). Same maths and conventions as
+It serves the layer's merges where the query pass is not fused: the a2a combine
+fused with the final merge of the query pass (K = N received states + the query
+state), and the final merge alone (K = 1 + the query state). Same maths and conventions as
 :func:`twostage_mla.state.merge_states`: float32 arithmetic, natural-log lse,
 (0, -inf) for empty states (no NaN from them; a NaN lse reaches the output).
 Runs on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (how CI checks it).
