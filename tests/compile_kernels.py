@@ -45,16 +45,20 @@ def main() -> None:
         "16 heads": (dict(BLOCK_H=16, BLOCK_D=128, BLOCK_V=512), (2,)),
         "128 heads": (dict(BLOCK_H=64, BLOCK_D=64, BLOCK_V=128), (3, 2)),
     }
-    for (name, (shape, in_flight)), mask, long in itertools.product(shapes.items(), [False, True], [False, True]):
-        stages = [(v, 4) for v in in_flight] + ([(1, 1)] if not (mask or long) else [])
-        for v_stages, num_stages in stages:
+    # 64-bit offsets (WIDE, steps with a tensor of >= 2^31 elements): the default stages, no mask.
+    combos = itertools.product(shapes.items(), [False, True], [False, True], [False, True])
+    for (name, (shape, in_flight)), mask, long, wide in combos:
+        stages = [(v, 4) for v in in_flight] + ([(1, 1)] if not (mask or long or wide) else [])
+        for v_stages, num_stages in stages[:1] if wide else stages:
+            if wide and mask:
+                continue
             cons = dict(HAS_MASK=mask, PRECISION="tf32", DOT_F32=False, BLOCK_N=16, LONG=long, V_STAGES=v_stages,
-                        **shape)  # fmt: skip
+                        WIDE=wide, **shape)  # fmt: skip
             shared = compile_one(query_merge._query_merge_kernel, QUERY_MERGE, cons, num_stages)
-            print(f"query_merge {name} mask={mask} long={long} stages=({v_stages}, {num_stages}): {shared} B")
-    for extra in (False, True):
-        shared = compile_one(merge._merge_kernel, MERGE, dict(HAS_EXTRA=extra, BLOCK_D=512))
-        print(f"merge extra={extra}: {shared} B")
+            print(f"query_merge {name} mask={mask} long={long} wide={wide} stages={v_stages},{num_stages}: {shared} B")
+    for extra, wide in itertools.product((False, True), (False, True)):
+        shared = compile_one(merge._merge_kernel, MERGE, dict(HAS_EXTRA=extra, BLOCK_D=512, WIDE=wide))
+        print(f"merge extra={extra} wide={wide}: {shared} B")
 
 
 if __name__ == "__main__":

@@ -30,4 +30,4 @@ def test_kernels_compile_for_sm90():
     )
     assert run.returncode == 0, run.stderr[-4000:]
     lines = run.stdout.splitlines()
-    assert sum(line.startswith("query_merge") for line in lines) == 14 and sum("merge extra" in x for x in lines) == 2
+    assert sum(line.startswith("query_merge") for line in lines) == 18 and sum("merge extra" in x for x in lines) == 4

@@ -11,6 +11,7 @@ from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention, syntheti
 from twostage_mla.state import merge_states
 
 pytest.importorskip("triton")
+from twostage_mla.kernels import merge  # noqa: E402
 from twostage_mla.kernels.merge import merge_states_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -107,3 +108,32 @@ def test_nan_state_is_not_taken_for_empty():
         assert got_o[1, 0].isnan().all() and got_lse[1, 0].isnan()
         torch.testing.assert_close(got_o, ref_o, equal_nan=True)
         torch.testing.assert_close(got_lse, ref_lse, equal_nan=True)
+
+
+def test_wide_offsets_decision():
+    # Triton's 32-bit offsets wrap at 2^31 elements: any tensor that reaches it takes the 64-bit variant.
+    big = torch.empty(2**31, device="meta")
+    assert not merge.wide_offsets(torch.empty(4, 8, device="meta"), big[: 2**30])
+    assert merge.wide_offsets(torch.empty(4, 8, device="meta"), big)
+    assert merge.wide_offsets(big[:16].as_strided((3, 16), (2**30, 1)))  # by strides, not by size
+
+
+def test_wide_variant_matches(monkeypatch):
+    # The 64-bit variant (compiled only for such steps) computes what the 32-bit one does.
+    o, lse = torch.randn(3, 5, 4, 24, device=DEVICE), torch.randn(3, 5, 4, device=DEVICE)
+    lse[1, 2, 3] = float("-inf")
+    extra = (torch.randn(5, 4, 24, device=DEVICE), torch.randn(5, 4, device=DEVICE))
+    want = merge_states_triton(o, lse, out_dtype=torch.float32, extra=extra)
+    monkeypatch.setattr(merge, "wide_offsets", lambda *t: True)
+    got = merge_states_triton(o, lse, out_dtype=torch.float32, extra=extra)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="a 4.8 GB buffer: on a GPU only")
+def test_states_past_two_to_the_31_elements():
+    s = 1_200_000_000  # the third state starts at 2.4e9 elements: 32-bit offsets would wrap
+    o = torch.empty(2 * s + 16, dtype=torch.bfloat16, device=DEVICE).as_strided((3, 1, 1, 16), (s, 16, 16, 1))
+    for k in range(3):
+        o[k] = k + 1.0
+    got, _ = merge_states_triton(o, torch.zeros(3, 1, 1, device=DEVICE), out_dtype=torch.float32)
+    assert torch.equal(got, torch.full_like(got, 2.0))

@@ -138,6 +138,19 @@ def test_nan_query_or_context_state_reaches_the_output():
         torch.testing.assert_close(o[rest], clean[rest])
 
 
+def test_wide_variant_matches(monkeypatch):
+    # The 64-bit-offset variant (steps with a tensor of >= 2^31 elements) computes what the default does.
+    from twostage_mla.kernels import query_merge
+
+    cfg, x, attn, plan, v = setup("mla", True, torch.float32)
+    ctx_o, ctx_lse = torch.randn(2, *x.q.shape[:2], v.shape[-1], device=DEVICE), torch.randn(2, *x.q.shape[:2])
+    kw = dict(scale=cfg.scale, out_dtype=torch.float32)
+    want = query_merge_triton(x.q, x.k, v, plan, ctx_o, ctx_lse.to(DEVICE), **kw)
+    monkeypatch.setattr(query_merge, "wide_offsets", lambda *t: True)
+    got = query_merge_triton(x.q, x.k, v, plan, ctx_o, ctx_lse.to(DEVICE), **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_bf16_output_and_bad_shapes():
     cfg, x, attn, plan, v = setup("mla", False, torch.bfloat16)
     o_q, lse_q = attn.backend.query(x.q, x.k, v, plan)

@@ -22,16 +22,19 @@ def _merge_kernel(
     so_k, so_t, so_h, sl_k, sl_t, sl_h,
     se_t, se_h, sel_t, sel_h,
     sout_t, sout_h, soutl_t, soutl_h,
-    HAS_EXTRA: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_EXTRA: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)  # one (token, head) per program
+    if WIDE:  # a tensor of >= 2^31 elements: 64-bit offsets (32-bit products would wrap)
+        row = row.to(tl.int64)
     t = row // H
     h = row % H
     d = tl.arange(0, BLOCK_D)
     dmask = d < DV
 
     m = tl.full((), float("-inf"), tl.float32)
-    for k in range(K):
+    for k32 in range(K):
+        k = tl.cast(k32, tl.int64) if WIDE else k32
         m = tl.maximum(m, tl.load(LSE + k * sl_k + t * sl_t + h * sl_h))
     if HAS_EXTRA:
         e_lse = tl.load(ELSE + t * sel_t + h * sel_h)
@@ -40,7 +43,8 @@ def _merge_kernel(
     shift = tl.where(m == float("-inf"), 0.0, m)
 
     total = tl.zeros((), tl.float32)
-    for k in range(K):
+    for k32 in range(K):
+        k = tl.cast(k32, tl.int64) if WIDE else k32
         total += tl.exp(tl.load(LSE + k * sl_k + t * sl_t + h * sl_h) - shift)
     if HAS_EXTRA:
         total += tl.exp(e_lse - shift)
@@ -49,7 +53,8 @@ def _merge_kernel(
     safe = tl.where(total == 0, 1.0, total)
 
     acc = tl.zeros((BLOCK_D,), tl.float32)
-    for k in range(K):
+    for k32 in range(K):
+        k = tl.cast(k32, tl.int64) if WIDE else k32
         lk = tl.load(LSE + k * sl_k + t * sl_t + h * sl_h)
         o = tl.load(O_IN + k * so_k + t * so_t + h * so_h + d, mask=dmask, other=0.0).to(tl.float32)
         acc += tl.where(lk == float("-inf"), 0.0, o * (tl.exp(lk - shift) / safe))  # an empty state's o may be NaN
@@ -60,6 +65,16 @@ def _merge_kernel(
     lse = tl.where(total == 0, float("-inf"), shift + tl.log(safe))
     tl.store(OUT + t * sout_t + h * sout_h + d, acc.to(OUT.dtype.element_ty), mask=dmask)
     tl.store(OUT_LSE + t * soutl_t + h * soutl_h, lse)
+
+
+def wide_offsets(*tensors: torch.Tensor) -> bool:
+    """Whether an element of some tensor lies 2^31 or more elements from its start.
+
+    Triton computes offsets in 32-bit integers where its arguments fit them: past that they
+    wrap, so the kernels take 64-bit offsets then (a variant compiled only for such steps).
+    """
+    # A margin for the masked lanes past a block's end, whose offsets are computed too.
+    return max(sum((n - 1) * abs(s) for n, s in zip(x.shape, x.stride()) if n) for x in tensors) >= 2**31 - 2**24
 
 
 def merge_states_triton(
@@ -103,6 +118,6 @@ def merge_states_triton(
             o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
             eo.stride(0), eo.stride(1), el.stride(0), el.stride(1),
             out.stride(0), out.stride(1), out_lse.stride(0), out_lse.stride(1),
-            HAS_EXTRA=extra is not None, BLOCK_D=triton.next_power_of_2(dv),
+            HAS_EXTRA=extra is not None, BLOCK_D=triton.next_power_of_2(dv), WIDE=wide_offsets(o, lse, eo, el, out),
         )  # fmt: skip
     return out, out_lse

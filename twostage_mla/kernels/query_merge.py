@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from twostage_mla.kernels.merge import wide_offsets
 from twostage_mla.plan import StepPlan
 
 
@@ -65,12 +66,13 @@ def _key_block(
 @triton.jit
 def _context_chunk(
     CO, CLSE, t, h, hmask, v0, m_c, NC, DV, sco_k, sco_t, sco_h, scl_k, scl_t, scl_h,
-    BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
     """Sum over the context states of exp(lse - m_c) * o, value dims v0 .. v0+BLOCK_V-1."""
     dv = v0 + tl.arange(0, BLOCK_V)
     acc = tl.zeros((BLOCK_H, BLOCK_V), tl.float32)
-    for c in range(0, NC):
+    for c32 in range(0, NC):
+        c = tl.cast(c32, tl.int64) if WIDE else c32
         lse = tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf"))
         o = tl.load(
             CO + c * sco_k + t * sco_t + h[:, None] * sco_h + dv[None, :],
@@ -98,9 +100,11 @@ def _query_merge_kernel(
     sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, so_t, so_h, sol_t, sol_h,
     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    LONG: tl.constexpr, V_STAGES: tl.constexpr,
+    LONG: tl.constexpr, V_STAGES: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
+    if WIDE:  # a tensor of >= 2^31 elements: 64-bit offsets (32-bit products would wrap)
+        t = t.to(tl.int64)
     kvh = tl.program_id(1) // NBLK
     g = (tl.program_id(1) % NBLK) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = g < G
@@ -121,11 +125,13 @@ def _query_merge_kernel(
     # and the fresh keys, then each chunk of the output in one go. The context
     # states' share of a chunk is summed relative to their own max m_c.
     m_c = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    for c in range(0, NC):
+    for c32 in range(0, NC):
+        c = tl.cast(c32, tl.int64) if WIDE else c32
         m_c = tl.maximum(m_c, tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")))
     m_c = tl.where(m_c == float("-inf"), 0.0, m_c)  # no context: every weight below is 0
     den = tl.zeros((BLOCK_H,), tl.float32)
-    for c in range(0, NC):
+    for c32 in range(0, NC):
+        c = tl.cast(c32, tl.int64) if WIDE else c32
         den += tl.exp(tl.load(CLSE + c * scl_k + t * scl_t + h * scl_h, mask=hmask, other=float("-inf")) - m_c)
     # Keys 0 .. BLOCK_N-1 hold every key of a request of up to BLOCK_N tokens: keep their scores.
     s0, rows0, seen0 = _key_block(
@@ -152,7 +158,7 @@ def _query_merge_kernel(
         dv = v0 + tl.arange(0, BLOCK_V)
         vmask = dv < DV
         ctx = _context_chunk(
-            CO, CLSE, t, h, hmask, v0, m_c, NC, DV, sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, BLOCK_H, BLOCK_V
+            CO, CLSE, t, h, hmask, v0, m_c, NC, DV, sco_k, sco_t, sco_h, scl_k, scl_t, scl_h, BLOCK_H, BLOCK_V, WIDE
         )  # fmt: skip
         acc = ctx * fix[:, None]
         v = tl.load(V + rows0[:, None] * sv_t + kvh * sv_h + dv[None, :], mask=seen0[:, None] & vmask[None, :],
@@ -281,6 +287,7 @@ def query_merge_triton(
         # Triton's interpreter multiplies bf16 dot operands as raw bits (triton-lang/triton#11584): upcast there.
         DOT_F32=q.device.type == "cpu",
         BLOCK_H=block_h, BLOCK_N=16, BLOCK_D=block_d, BLOCK_V=block_v, LONG=max_q_len > 16, num_warps=num_warps,
+        WIDE=wide_offsets(q, k, v, mask, ctx_o, ctx_lse, out, out_lse),
     )  # fmt: skip
     try:
         _launch((t, hk * nblk), args, meta, v_stages=v_stages, num_stages=4)
