@@ -60,6 +60,17 @@ def _paged(cache: torch.Tensor, pages: list[int], length: int) -> torch.Tensor:
     return torch.cat([cache[p] for p in pages])[:length]
 
 
+def _latch_rows(wrapper, qo_indptr) -> None:
+    """FlashInfer 0.5.3's prefill wrappers in CUDA-graph mode fix their row count at the first plan
+    (flashinfer/prefill.py, plan(): "The total number of rows in qo_indptr ... cannot exceed ...")."""
+    rows = int(qo_indptr[-1])
+    if getattr(wrapper, "_max_rows", None) is None:
+        wrapper._max_rows = rows
+    elif rows > wrapper._max_rows:
+        raise ValueError(f"The total number of rows in qo_indptr {rows} in cuda graph mode cannot exceed the "
+                         f"number of rows set during initialization {wrapper._max_rows}.")  # fmt: skip
+
+
 def _check_i32(**ts: torch.Tensor) -> None:
     for name, t in ts.items():
         if t.dtype != torch.int32:
@@ -277,6 +288,7 @@ class _PagedPrefillWrapper:
             paged_kv_last_page_len=paged_kv_last_page_len,
         )
         if self._graph:
+            _latch_rows(self, qo_indptr)
             qo, kp, ki, kl = self._bufs
             qo.copy_(qo_indptr)
             kp.copy_(paged_kv_indptr)
@@ -344,6 +356,7 @@ class _RaggedPrefillWrapper:
     ):
         _check_i32(qo_indptr=qo_indptr, kv_indptr=kv_indptr)
         if self._graph:
+            _latch_rows(self, qo_indptr)
             self._bufs[0].copy_(qo_indptr)
             self._bufs[1].copy_(kv_indptr)
         else:

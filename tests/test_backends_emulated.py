@@ -245,6 +245,20 @@ def test_capture_limits_with_the_fused_query_pass(emulated):
         attn.plan(three, torch.tensor([5, 6, 7], dtype=torch.int32), torch.zeros(3, 2, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("mla", [False, True])
+def test_capture_limits_steps_of_one_batch_size_and_more_tokens(emulated, mla):
+    # Decode (T = B) then verification (T = 3B) at the same B, as engines run them: FlashInfer's
+    # prefill wrappers (GQA) fix their row count at the first plan in CUDA-graph mode.
+    cfg = _config(mla, 16)
+    attn = _layer("flashinfer", cfg, DCPLayout(), CaptureLimits(max_batch_size=4, max_tokens=16, max_pages=32))
+    for ctx, ql in (([10, 40], [1, 1]), ([10, 40], [3, 3]), ([20, 5], [1, 1])):
+        step = synthetic.make_step(ctx, ql, heads=4, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
+                                   kv_heads=cfg.num_kv_heads, mla=mla, seed=sum(ql))  # fmt: skip
+        x = synthetic.rank_inputs(step, DCPLayout(), 16, mla=mla, dtype=torch.float32, device="cpu")
+        out = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, attn.plan(x.query_start_loc, x.seq_lens, x.block_table))
+        assert torch.allclose(out.double(), synthetic.oracle(step, cfg.scale)[0], atol=1e-5)
+
+
 def test_capture_limits_are_checked():
     with pytest.raises(ValueError, match="max_tokens"):
         CaptureLimits(max_batch_size=2, max_tokens=0, max_pages=3)

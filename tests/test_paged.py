@@ -2,7 +2,7 @@
 
 import torch
 
-from twostage_mla.backends._paged import gather_slots, key_indptr, last_page_lens, page_lists
+from twostage_mla.backends._paged import gather_slots, key_indptr, last_page_lens, page_lists, read_slots
 from twostage_mla.layout import DCPLayout
 from twostage_mla.plan import plan_step
 
@@ -28,3 +28,13 @@ def test_no_pages_used_still_gives_one_index():
     bt = torch.zeros(2, 1, dtype=torch.int32)
     indptr, indices = page_lists(bt, torch.zeros(2, dtype=torch.int32), 4)
     assert indptr.tolist() == [0, 0, 0] and indices.tolist() == [0]
+
+
+def test_read_slots_of_contiguous_and_page_strided_caches():
+    # A layer's cache may be a slice of a larger (P, layers, page, H_kv, D) buffer: read by
+    # (page, offset) there, not through a reshape that would copy the whole cache each layer.
+    big = torch.randn(6, 3, 4, 2, 5)
+    slots = torch.tensor([[0, 5, 23], [7, 7, 12]])
+    for cache in (big[:, 1], big[:, 1].contiguous(), big[:, 1, :, :, :3]):
+        want = torch.stack([torch.stack([cache[s // 4, s % 4] for s in row]) for row in slots.tolist()])
+        assert torch.equal(read_slots(cache, slots), want)

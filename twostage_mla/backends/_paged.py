@@ -55,11 +55,22 @@ def last_page_lens(plan: StepPlan) -> torch.Tensor:
     return torch.where(lens > 0, (lens - 1) % ps + 1, 0).to(torch.int32)
 
 
+def read_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache's entries at flat slots (any shape of index), cache: (P, page_size, ...).
+
+    A flat view where pages and their slots merge (a contiguous cache); else by (page, offset),
+    so that a cache strided in pages (a layer's slice of a larger buffer) is not copied whole.
+    """
+    if cache.stride(0) == cache.shape[1] * cache.stride(1):
+        return cache.flatten(0, 1)[slots]
+    return cache[slots // cache.shape[1], slots % cache.shape[1]]
+
+
 def gather_slots(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Flat cache slots of every request's local context, requests concatenated.
 
-    returns slots (S,) int64 (``cache.view(-1, H_kv, D)[slots]`` is the
-    contiguous local context), key_indptr (B+1,) int32, S (host int).
+    returns slots (S,) int64 (``read_slots(cache, slots)`` is the contiguous
+    local context), key_indptr (B+1,) int32, S (host int).
     For kernels with no paged entry: gathering reads and writes the context
     once more, so it costs about twice the bytes of a paged kernel.
     """

@@ -115,7 +115,9 @@ class FlashInferBackend(AttentionBackend):
         self._mla = spec.kv_format == "mla"
         self._ctx_heads = spec.num_heads * spec.world_size
         self._workspace: torch.Tensor | None = None
-        self._by_batch: dict[int, _Wrappers] = {}  # capture mode: one set per batch size
+        # Capture mode: one set per batch size, for GQA per (B, T): FlashInfer's prefill wrappers
+        # in CUDA-graph mode fix their row count at the first plan (MLA's do not).
+        self._by_batch: dict[int | tuple[int, int], _Wrappers] = {}
         self._shared: _Wrappers | None = None
 
     # -- wrappers -------------------------------------------------------------
@@ -165,9 +167,10 @@ class FlashInferBackend(AttentionBackend):
                 self._shared = self._make(None)
             return self._shared
         lim.check(max_batch_size=plan.batch_size, max_tokens=plan.num_tokens, max_pages=pages)
-        if plan.batch_size not in self._by_batch:
-            self._by_batch[plan.batch_size] = self._make(plan.batch_size)
-        return self._by_batch[plan.batch_size]
+        key = plan.batch_size if self._mla else (plan.batch_size, plan.num_tokens)
+        if key not in self._by_batch:
+            self._by_batch[key] = self._make(plan.batch_size)
+        return self._by_batch[key]
 
     # -- per step -------------------------------------------------------------
 

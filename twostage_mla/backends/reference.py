@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
+from twostage_mla.backends._paged import read_slots
 from twostage_mla.backends.base import AttentionBackend, State
 from twostage_mla.plan import StepPlan
 
@@ -74,8 +75,8 @@ class ReferenceBackend(AttentionBackend):
         slots = torch.where(visible, pages * ps + idx % ps, 0)
         # Zero what is not visible: slot 0 of an engine's cache may hold NaN, and 0 * NaN = NaN.
         hide = ~visible[:, :, None, None]
-        k = k_cache.reshape(-1, *k_cache.shape[2:])[slots].masked_fill(hide, 0)  # (B, n, H_kv, D)
-        v = v_cache.reshape(-1, *v_cache.shape[2:])[slots].masked_fill(hide, 0)
+        k = read_slots(k_cache, slots).masked_fill(hide, 0)  # (B, n, H_kv, D)
+        v = read_slots(v_cache, slots).masked_fill(hide, 0)
         mask = visible[:, None, :].expand(-1, plan.max_q_len, -1)
         o, lse = dense_attention(_pad(q, plan), k, v, mask, self.spec.scale)
         return o[plan.token_request, plan.token_offset].to(q.dtype), lse[plan.token_request, plan.token_offset]

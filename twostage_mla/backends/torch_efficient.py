@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from twostage_mla.backends._paged import empty_context_rows, empty_state, gather_slots, mask_empty_rows
+from twostage_mla.backends._paged import empty_context_rows, empty_state, gather_slots, mask_empty_rows, read_slots
 from twostage_mla.backends.base import AttentionBackend, AttentionSpec, State
 from twostage_mla.plan import StepPlan
 
@@ -107,11 +107,11 @@ class TorchEfficientBackend(AttentionBackend):
         t, h, dv, hk, g = q.shape[0], q.shape[1], s.head_dim_v, s.num_kv_heads, self._g_ctx
         if t == 0 or st.max_k == 0:
             return empty_state(t, h, dv, q)
-        k = k_cache.reshape(-1, hk, k_cache.shape[-1])[st.slots]  # (S, H_kv, D)
+        k = read_slots(k_cache, st.slots)  # (S, H_kv, D)
         if s.kv_format == "mla":
             v = k[..., :dv]  # a view: V is the latent part of K
         else:
-            v = v_cache.reshape(-1, hk, dv)[st.slots]
+            v = read_slots(v_cache, st.slots)
         # (T, H_kv*G, D) kv-head-major -> rows (t, g), heads H_kv: free for MLA (H_kv = 1).
         qf = q.reshape(t, hk, g, -1).transpose(1, 2).reshape(1, t * g, hk, q.shape[-1])
         o, lse, *_ = _efficient_attention_forward(

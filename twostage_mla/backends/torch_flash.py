@@ -27,6 +27,7 @@ from twostage_mla.backends._paged import (
     key_indptr,
     lse_heads_major,
     mask_empty_rows,
+    read_slots,
 )
 from twostage_mla.backends.base import AttentionBackend, AttentionSpec, State
 from twostage_mla.plan import StepPlan
@@ -107,8 +108,8 @@ class TorchFlashBackend(AttentionBackend):
                 q, k_cache, v_cache, plan.query_start_loc, st.key_indptr, plan.max_q_len, st.max_k, 0.0, False,
                 False, seqused_k=plan.local_context_lens, block_table=plan.block_table, **common)
         else:
-            k = k_cache.reshape(-1, *k_cache.shape[2:])[st.slots]  # (S, H_kv, D)
-            v = v_cache.reshape(-1, *v_cache.shape[2:])[st.slots]
+            k = read_slots(k_cache, st.slots)  # (S, H_kv, D)
+            v = read_slots(v_cache, st.slots)
             o, lse, *_ = _flash_attention_forward(
                 q, k, v, plan.query_start_loc, st.key_indptr, plan.max_q_len, st.max_k, 0.0, False, False, **common)
         return mask_empty_rows(o, lse_heads_major(lse, t, h), st.empty_rows)
