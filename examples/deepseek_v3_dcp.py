@@ -573,16 +573,26 @@ def main() -> None:
         f"{a.dtype} on {a.device}, backend {res.backend}"
     )
     print(f"  {res.steps} steps, {res.accepted} drafts accepted")
+    # Beyond the tokens (a wrong attention can still pick them), every error has a bound: float32
+    # rounding, or in 16-bit the model's own drift from transformers' float32 (docs/model_integration.md).
+    tol = 1e-4 if a.dtype == "float32" else 1e-1
+    errors = {}
     for kind, e in logits_error(model, res.records).items():
         print(f"  logits vs transformers, {kind:8s} steps: max rel err {e:.2e}")
+        errors[f"logits ({kind})"] = e
     scale = model.model.layers[0].self_attn.scaling
     for r, rr in enumerate(results):
-        e_attn = oracle_error(model, rr.traces[0], scale) if rr.traces else float("nan")
+        e_attn = oracle_error(model, rr.traces[0], scale) if rr.traces else None
         e_shard = shard_error(model, rr, DCPLayout(a.world_size, r, a.interleave), a.page_size)
+        attn_text = "no verify step traced" if e_attn is None else f"max rel err {e_attn:.2e}"
         print(
-            f"  rank {r}: attention vs oracle (traced step) max rel err {e_attn:.2e}, "
+            f"  rank {r}: attention vs oracle (traced step) {attn_text}, "
             f"shard vs transformers' latent cache max abs err {e_shard:.2e}"
         )
+        if e_attn is not None:
+            errors[f"rank {r} attention"] = e_attn
+        if a.dtype == "float32":  # 16-bit latents differ from transformers' float32 ones by rounding
+            errors[f"rank {r} shard"] = e_shard
     same = all(rr.tokens == refs for rr in results)
     print(f"  greedy tokens equal transformers' generate on every rank: {same}")
     if not same:
@@ -591,8 +601,11 @@ def main() -> None:
             for t, ref, p in zip(res.tokens, refs, prompts)
         ]
         print(f"  generated tokens equal to transformers' before the first difference, per request: {agree}")
-        if a.dtype == "float32":
-            sys.exit(1)  # in float32 they must agree; in 16-bit a near-tie may flip a token
+    over = [f"{name} {e:.2e}" for name, e in errors.items() if not e <= tol]
+    if over:
+        print(f"  FAILED: errors above {tol:.0e} ({a.dtype}): {', '.join(over)}")
+    if over or (not same and a.dtype == "float32"):  # in 16-bit a near-tie may flip a token
+        sys.exit(1)
 
 
 if __name__ == "__main__":
