@@ -121,6 +121,8 @@ def _cases() -> list[tuple]:
                 ql = [rng.randint(1, 8) for _ in ctx]
                 ql[rng.randrange(len(ql))] = 16
                 out.append((fmt, heads, dtype, page, tree, ctx, ql))
+            # Plain decoding, one token per request: the kernels' one-token paths.
+            out.append((fmt, heads, dtype, 64, False, [0, 5, 64, 700, 2500], [1] * 5))
     return out
 
 
