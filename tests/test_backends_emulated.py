@@ -290,3 +290,15 @@ def test_fa3_declares_only_the_head_dims_its_kernel_takes():
         assert "differ only as" in " ".join(FlashAttn3Backend.extra_reasons(spec(d, dv)))
     for d, dv in ((128, 128), (192, 128), (64, 256)):
         assert FlashAttn3Backend.extra_reasons(spec(d, dv)) == []
+
+
+def test_torch_efficient_refuses_bf16_before_sm80(monkeypatch):
+    # torch's memory-efficient kernel has no bf16 variant before sm80: refused at selection (auto
+    # falls back), not at the first layer call.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for cc, refused in (((7, 5), True), ((8, 0), False), ((9, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cc=cc: cc)
+        for dtype in (torch.bfloat16, torch.float16):
+            spec = AttentionSpec("mla", 16, 1, 576, 512, 64, 1, 0.1, dtype, torch.device("cuda", 0))
+            why = " ".join(TorchEfficientBackend.environment_problems(spec))
+            assert ("bf16 needs compute capability >= (8, 0)" in why) == (refused and dtype == torch.bfloat16), why

@@ -68,6 +68,11 @@ class TorchEfficientBackend(AttentionBackend):
             out.insert(0, "this torch has no _efficient_attention_forward")
         elif not torch.backends.cuda.mem_efficient_sdp_enabled():
             out.insert(0, "memory-efficient SDPA is disabled (torch.backends.cuda.enable_mem_efficient_sdp)")
+        # The kernel has no bf16 variant before sm80: refused here, not at the first layer call.
+        if spec.dtype == torch.bfloat16 and spec.device.type == "cuda" and torch.cuda.is_available():
+            have = torch.cuda.get_device_capability(spec.device)
+            if have < (8, 0):
+                out.append(f"bf16 needs compute capability >= (8, 0), the GPU has {have}")
         return out
 
     @classmethod
