@@ -328,8 +328,7 @@ class TwoStageAttention:
                 f"expected requests of at most max_q_len = {limits.longest_request} tokens (capture limits), "
                 f"got one of {plan.max_q_len}"
             )
-        limits.check(max_batch_size=plan.batch_size, max_tokens=plan.num_tokens)  # an empty step too
-        state = self.backend.plan(plan)  # checks the pages against the limits
+        state = self.backend.plan(plan)  # checks the step against the limits
         if limits.given and self.query_merge is not None:
             plan = self._into_fixed_buffers(plan, masked)
         return replace(plan, backend=self.backend.name, backend_state=state, spec=self.spec, made_for=self._made_for)

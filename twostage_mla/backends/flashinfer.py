@@ -160,13 +160,11 @@ class FlashInferBackend(AttentionBackend):
         )
         return _Wrappers(ctx, qry, rows)
 
-    def _wrappers_for(self, plan: StepPlan, pages: int) -> _Wrappers:
-        lim = self.limits
-        if not lim.given:
+    def _wrappers_for(self, plan: StepPlan) -> _Wrappers:
+        if not self.limits.given:
             if self._shared is None:
                 self._shared = self._make(None)
             return self._shared
-        lim.check(max_batch_size=plan.batch_size, max_tokens=plan.num_tokens, max_pages=pages)
         key = plan.batch_size if self._mla else (plan.batch_size, plan.num_tokens)
         if key not in self._by_batch:
             self._by_batch[key] = self._make(plan.batch_size)
@@ -176,13 +174,16 @@ class FlashInferBackend(AttentionBackend):
 
     def plan(self, plan: StepPlan) -> FlashInferState:
         """Plan both passes for this step (host sync; not capturable)."""
+        if self.limits.given:  # an empty step too: the layer's fixed buffers have the same sizes
+            pages = _pages_on_rank0(plan)
+            self.limits.check(max_batch_size=plan.batch_size, max_tokens=plan.num_tokens, max_pages=pages)
         if plan.num_tokens == 0:
             return FlashInferState(None, 0, None)
         s = self.spec
         dt, scale = s.dtype, s.scale
         qsl = plan.query_start_loc
         page_indptr, page_indices = page_lists(plan.block_table, plan.local_context_lens, plan.page_size)
-        w = self._wrappers_for(plan, _pages_on_rank0(plan))
+        w = self._wrappers_for(plan)
         # Tree masks take the base class's dense query pass: no query kernel to plan then.
         plan_query = plan.query_mask is None and self.query_pass
         if self._mla:
