@@ -345,10 +345,7 @@ class TwoStageAttention:
                 self._fixed["query_mask"] = torch.zeros(limits.max_batch_size, n, n, dtype=torch.bool, device=dev)
                 self._fixed["causal"] = torch.ones(n, n, dtype=torch.bool, device=dev).tril()  # token j sees 0 .. j
         self._fixed_count[0] += 1
-        fixed = {
-            "token_offset": self._fixed["token_offset"][:t].copy_(plan.token_offset),
-            "fixed_version": (self._fixed_count, self._fixed_count[0]),
-        }
+        fixed = {"token_offset": self._fixed["token_offset"][:t].copy_(plan.token_offset)}
         if masked:
             fixed["token_request"] = self._fixed["token_request"][:t].copy_(plan.token_request)
             fixed["query_start_loc"] = self._fixed["query_start_loc"][: b + 1].copy_(plan.query_start_loc)
@@ -359,7 +356,7 @@ class TwoStageAttention:
                 q = plan.max_q_len
                 mask.zero_()[:, :q, :q].copy_(plan.query_mask)
             fixed["query_mask"] = mask
-        version = fixed.pop("fixed_version")
+        version = (self._fixed_count, self._fixed_count[0])
         return replace(plan, fixed_version=version, fused_plan=replace(plan, **fixed))
 
     def __call__(

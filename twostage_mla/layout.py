@@ -110,13 +110,14 @@ def kv_slots(
     positions = positions.long()
     li = local_index(positions, n, i)
     mine = owner(positions, n, i) == layout.rank
-    past = (li // page_size >= block_table.shape[1]) & mine
-    if check and bool(past.any()):
-        t = int(past.nonzero()[0])
-        raise ValueError(
-            f"expected block_table with at least {int(li[t]) // page_size + 1} pages per request, got "
-            f"{block_table.shape[1]}: position {int(positions[t])} is this rank's local slot {int(li[t])}"
-        )
+    if check:  # a host sync
+        past = (li // page_size >= block_table.shape[1]) & mine
+        if bool(past.any()):
+            t = int(past.nonzero()[0])
+            raise ValueError(
+                f"expected block_table with at least {int(li[t]) // page_size + 1} pages per request, got "
+                f"{block_table.shape[1]}: position {int(positions[t])} is this rank's local slot {int(li[t])}"
+            )
     if block_table.shape[1] == 0:  # this rank holds nothing of these requests
         return torch.full_like(positions, -1)
     # Positions owned elsewhere can index past this rank's table: clamp, then mask.
