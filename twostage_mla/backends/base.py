@@ -109,6 +109,13 @@ class AttentionSpec:
         )
 
 
+def gpu_capability(spec: AttentionSpec) -> tuple[int, int] | None:
+    """The compute capability of spec's GPU; None off CUDA or where no GPU can be asked."""
+    if spec.device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_capability(spec.device)
+    return None
+
+
 class AttentionBackend:
     """Base of every backend: capability declarations and the two passes."""
 
@@ -129,11 +136,9 @@ class AttentionBackend:
     def environment_problems(cls, spec: AttentionSpec) -> list[str]:
         """Package missing, GPU too old: listed first when a backend is refused."""
         out = [f"package {p!r} is not installed" for p in cls.packages if importlib.util.find_spec(p) is None]
-        cc = cls.min_compute_capability
-        if cc and spec.device.type == "cuda" and torch.cuda.is_available():
-            have = torch.cuda.get_device_capability(spec.device)
-            if have < cc:
-                out.append(f"needs compute capability >= {cc}, the GPU has {have}")
+        cc, have = cls.min_compute_capability, gpu_capability(spec)
+        if cc and have and have < cc:
+            out.append(f"needs compute capability >= {cc}, the GPU has {have}")
         return out
 
     @classmethod

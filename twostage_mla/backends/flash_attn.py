@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from twostage_mla.backends._paged import empty_context_rows, empty_state, key_indptr, lse_heads_major, mask_empty_rows
-from twostage_mla.backends.base import AttentionBackend, AttentionSpec, State
+from twostage_mla.backends.base import AttentionBackend, AttentionSpec, State, gpu_capability
 from twostage_mla.plan import StepPlan
 
 
@@ -110,10 +110,9 @@ class FlashAttn3Backend(_FlashAttnBase):
         # A V head dim other than K's (MLA's qv form included) is Hopper only in FA3 ("Only Hopper
         # supports different V headdim").
         differs = spec.kv_format == "mla" or spec.head_dim != spec.head_dim_v
-        if differs and spec.device.type == "cuda" and torch.cuda.is_available():
-            have = torch.cuda.get_device_capability(spec.device)
-            if have[0] != 9:
-                out.append(f"FA3 runs a V head dim other than K's on Hopper (sm90) only, the GPU has {have}")
+        have = gpu_capability(spec)
+        if differs and have and have[0] != 9:
+            out.append(f"FA3 runs a V head dim other than K's on Hopper (sm90) only, the GPU has {have}")
         return out
 
     def context(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan) -> State:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from twostage_mla.backends._paged import empty_context_rows, empty_state, gather_slots, mask_empty_rows, read_slots
-from twostage_mla.backends.base import AttentionBackend, AttentionSpec, State
+from twostage_mla.backends.base import AttentionBackend, AttentionSpec, State, gpu_capability
 from twostage_mla.plan import StepPlan
 
 _CAUSAL_TOP_LEFT = 1  # sdp::CustomMaskType::CausalFromTopLeft
@@ -69,10 +69,9 @@ class TorchEfficientBackend(AttentionBackend):
         elif not torch.backends.cuda.mem_efficient_sdp_enabled():
             out.insert(0, "memory-efficient SDPA is disabled (torch.backends.cuda.enable_mem_efficient_sdp)")
         # The kernel has no bf16 variant before sm80: refused here, not at the first layer call.
-        if spec.dtype == torch.bfloat16 and spec.device.type == "cuda" and torch.cuda.is_available():
-            have = torch.cuda.get_device_capability(spec.device)
-            if have < (8, 0):
-                out.append(f"bf16 needs compute capability >= (8, 0), the GPU has {have}")
+        have = gpu_capability(spec)
+        if spec.dtype == torch.bfloat16 and have and have < (8, 0):
+            out.append(f"bf16 needs compute capability >= (8, 0), the GPU has {have}")
         return out
 
     @classmethod
