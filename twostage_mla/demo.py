@@ -21,9 +21,9 @@ import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
 from twostage_mla import synthetic
-from twostage_mla.backends import AttentionSpec, select_backend
+from twostage_mla.backends import select_backend
 from twostage_mla.comm import COMBINE_METHODS
-from twostage_mla.layer import PHASES, AttentionConfig, TwoStageAttention
+from twostage_mla.layer import PHASES, AttentionConfig, TwoStageAttention, _spec
 from twostage_mla.layout import DCPLayout
 
 
@@ -64,6 +64,18 @@ def resolve_device(world_size: int, device: str) -> str:
     return device
 
 
+def _config(a: DemoArgs) -> AttentionConfig:
+    """Each rank's layer: its share of the heads."""
+    scale = (a.kv_lora_rank + a.rope_dim) ** -0.5  # 1/sqrt(D) for random data; a model passes its own scale
+    return AttentionConfig.mla(
+        num_heads=a.heads // a.world_size,
+        kv_lora_rank=a.kv_lora_rank,
+        rope_dim=a.rope_dim,
+        page_size=a.page_size,
+        scale=scale,
+    )
+
+
 def _step_shape(a: DemoArgs) -> tuple[list[int], list[int]]:
     g = torch.Generator().manual_seed(a.seed)
     ctx = torch.randint(a.min_context, a.max_context + 1, (a.batch,), generator=g).tolist()
@@ -82,14 +94,7 @@ def _worker(rank: int, a: DemoArgs, device: str, init: str, out_path: str) -> No
     try:
         dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
         dtype = getattr(torch, a.dtype)
-        scale = (a.kv_lora_rank + a.rope_dim) ** -0.5  # 1/sqrt(D) for random data; a model passes its own scale
-        cfg = AttentionConfig.mla(
-            num_heads=a.heads // a.world_size,
-            kv_lora_rank=a.kv_lora_rank,
-            rope_dim=a.rope_dim,
-            page_size=a.page_size,
-            scale=scale,
-        )
+        cfg = _config(a)
         layout = DCPLayout(a.world_size, rank, a.interleave)
         ctx, ql = _step_shape(a)
         step = synthetic.make_step(
@@ -123,7 +128,7 @@ def _worker(rank: int, a: DemoArgs, device: str, init: str, out_path: str) -> No
         layer_s = (time.perf_counter() - t0) / a.iters
 
         h = cfg.num_heads
-        ref, _ = synthetic.oracle(step, scale) if rank == 0 else (None, None)
+        ref, _ = synthetic.oracle(step, cfg.scale) if rank == 0 else (None, None)
         outs = [torch.empty_like(out) for _ in range(a.world_size)] if rank == 0 else None
         dist.gather(out.contiguous(), outs, dst=0)
         if rank == 0:
@@ -188,11 +193,7 @@ def run_demo(args: DemoArgs) -> dict:
     args = DemoArgs(**{**asdict(args), "dtype": dtype, "device": device})
     # The registry's own check, here before processes start: an unknown name, or a backend that
     # cannot serve the workers' layer (with its reasons).
-    spec = AttentionSpec(
-        "mla", args.heads // args.world_size, 1, args.kv_lora_rank + args.rope_dim, args.kv_lora_rank,
-        args.page_size, args.world_size, 1.0, getattr(torch, dtype), torch.device(device),
-    )  # fmt: skip
-    select_backend(spec, args.backend)
+    select_backend(_spec(_config(args), args.world_size, getattr(torch, dtype), torch.device(device)), args.backend)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "result.pt")
         init = f"tcp://127.0.0.1:{_free_port()}"

@@ -93,6 +93,22 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple, dtype: torch.dtype, 
         raise ValueError(f"expected {name} on {device}, got {t.device}")
 
 
+def _spec(config: AttentionConfig, world_size: int, dtype: torch.dtype, device: torch.device) -> AttentionSpec:
+    """What a layer of this config asks of a backend (the registry's input)."""
+    return AttentionSpec(
+        kv_format=config.kv_format,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        head_dim_v=config.head_dim_v,
+        page_size=config.page_size,
+        world_size=world_size,
+        scale=config.scale,
+        dtype=dtype,
+        device=device,
+    )
+
+
 def _digest(*parts: Any) -> int:
     """A signed 64-bit digest of parts (tensors by their int64 values, the rest by repr).
 
@@ -185,18 +201,7 @@ class TwoStageAttention:
         self.dtype, self.device = dtype, torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" means the current GPU: name it
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.spec = AttentionSpec(
-            kv_format=config.kv_format,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            head_dim_v=config.head_dim_v,
-            page_size=config.page_size,
-            world_size=layout.world_size,
-            scale=config.scale,
-            dtype=dtype,
-            device=self.device,
-        )
+        self.spec = _spec(config, layout.world_size, dtype, self.device)
         limits = CaptureLimits(max_batch_size, max_tokens, max_pages, max_q_len)
         self.backend = select_backend(self.spec, backend, limits)(self.spec, limits)
         self.merge = select_merge(self.spec)
