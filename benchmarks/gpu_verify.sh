@@ -110,7 +110,7 @@ elif [ "$part" = tests ]; then
     grep "rank .: \|passed\|failed\|Error\|assert" "$OUT/two_gpus.log" | tail -14
   fi
   stamp check
-  timeout 150 python3 -m twostage_mla check > "$OUT/check.log" 2>&1
+  timeout 200 python3 -m twostage_mla check > "$OUT/check.log" 2>&1
   echo "rc=$?"; grep -v skipped "$OUT/check.log" | tail -16
 elif [ "$part" = kernel ]; then
   jit "mla bfloat16"

@@ -18,6 +18,12 @@ def test_check_runs_reference_and_skips_with_reasons(capsys):
     assert "expected --dtype in" in capsys.readouterr().err
 
 
+def test_check_hands_over_each_row_as_it_comes():
+    seen = []
+    rows = run_check("cpu", ("fp32",), on_row=seen.append)
+    assert seen == rows and len(rows) > 2
+
+
 def test_check_refuses_a_bad_device():
     with pytest.raises(ValueError, match="expected --device auto, cpu or cuda, got 'gpu'"):
         run_check("gpu")

@@ -8,6 +8,8 @@ layer over a small mixed batch and reports the error against float64.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from twostage_mla import synthetic
@@ -26,8 +28,15 @@ SHAPES = [
 ]
 
 
-def run_check(device: str = "auto", dtypes: tuple[str, ...] = ()) -> list[dict]:
-    """Rows of (backend, shape, dtype, max_rel_err, ok | reason skipped)."""
+def run_check(
+    device: str = "auto", dtypes: tuple[str, ...] = (), on_row: Callable[[dict], None] | None = None
+) -> list[dict]:
+    """Rows of (backend, shape, dtype, max_rel_err, ok | reason skipped).
+
+    ``on_row`` sees each row as soon as it is known: on a GPU each backend's
+    first layer can take ~20 s to load its compiled kernels, so the command
+    line prints rows as they come rather than all at the end.
+    """
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"expected --device auto, cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -58,18 +67,28 @@ def run_check(device: str = "auto", dtypes: tuple[str, ...] = ()) -> list[dict]:
                 row = {"backend": name, "shape": label, "dtype": str(dtype).removeprefix("torch.")}
                 if why[name]:
                     rows.append({**row, "status": "skipped: " + "; ".join(why[name])})
-                    continue
-                attn = TwoStageAttention(cfg, DCPLayout(), dtype=dtype, device=dev, backend=name)
-                out = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, attn.plan(x.query_start_loc, x.seq_lens, x.block_table))
-                err = ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item()
-                ok = err <= TOLERANCE[dtype]  # NaN fails too
-                rows.append({**row, "max_rel_err": err, "status": "ok" if ok else f"FAIL (> {TOLERANCE[dtype]})"})
+                else:
+                    rows.append(_run_one(name, cfg, dtype, dev, x, ref, row))
+                if on_row is not None:
+                    on_row(rows[-1])
     return rows
 
 
+def _run_one(name: str, cfg: AttentionConfig, dtype: torch.dtype, dev: torch.device, x, ref, row: dict) -> dict:
+    attn = TwoStageAttention(cfg, DCPLayout(), dtype=dtype, device=dev, backend=name)
+    out = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, attn.plan(x.query_start_loc, x.seq_lens, x.block_table))
+    err = ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item()
+    ok = err <= TOLERANCE[dtype]  # NaN fails too
+    return {**row, "max_rel_err": err, "status": "ok" if ok else f"FAIL (> {TOLERANCE[dtype]})"}
+
+
+HEADER = f"{'backend':<16}{'shape':<14}{'dtype':<10}{'max_rel_err':>12}  status"
+
+
+def format_row(r: dict) -> str:
+    err = f"{r['max_rel_err']:.2e}" if "max_rel_err" in r else "-"
+    return f"{r['backend']:<16}{r['shape']:<14}{r['dtype']:<10}{err:>12}  {r['status']}"
+
+
 def format_rows(rows: list[dict]) -> str:
-    lines = [f"{'backend':<16}{'shape':<14}{'dtype':<10}{'max_rel_err':>12}  status"]
-    for r in rows:
-        err = f"{r['max_rel_err']:.2e}" if "max_rel_err" in r else "-"
-        lines.append(f"{r['backend']:<16}{r['shape']:<14}{r['dtype']:<10}{err:>12}  {r['status']}")
-    return "\n".join(lines)
+    return "\n".join([HEADER] + [format_row(r) for r in rows])

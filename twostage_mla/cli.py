@@ -48,13 +48,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.command == "check":
-        from twostage_mla.check import format_rows, run_check
+        from twostage_mla.check import HEADER, format_row, run_check
 
-        try:
-            rows = run_check(args.device, tuple(args.dtype))
+        started = []
+
+        def show(row: dict) -> None:  # rows as they come: a GPU backend's first layer can take ~20 s
+            if not started:
+                started.append(print(HEADER, flush=True))
+            print(format_row(row), flush=True)
+
+        try:  # a bad option raises before any row, so no table starts
+            rows = run_check(args.device, tuple(args.dtype), on_row=None if args.json else show)
         except ValueError as e:
             parser.error(str(e))
-        print(json.dumps(rows) if args.json else format_rows(rows))
+        if args.json:
+            print(json.dumps(rows))
         return 1 if any(r["status"].startswith("FAIL") for r in rows) else 0
 
     if args.command == "demo":
