@@ -317,6 +317,60 @@ def test_layer_checks_on_cuda(name):
         _check(step, cfg, torch.bfloat16, out, lse, f"{name} under capture limits")
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["backend-query", "fused-query"])
+@pytest.mark.parametrize("fmt", ["mla", "gqa"])
+def test_flashinfer_steps_of_one_batch_and_other_token_counts(fmt, fuse):
+    """Capture limits: decode steps (T = B) and verification steps (T > B) of the same B, in turn.
+
+    FlashInfer's prefill wrappers in graph mode keep the row count of their first plan, so the layer
+    holds GQA wrappers per (B, T). Each step runs eagerly against the oracle, and a graph captured at
+    the first step of each T replays the later steps of that T.
+    """
+    cfg = _config(fmt, 16 if fmt == "mla" else 8, 64)
+    if "flashinfer" not in _serving(cfg, torch.bfloat16):
+        pytest.skip("flashinfer not installed")
+    dt, mla = torch.bfloat16, fmt == "mla"
+    qls = ([1, 1, 1, 1], [4, 2, 1, 5], [1, 1, 1, 1], [3, 3, 3, 3], [2, 6, 1, 3])
+    steps = [
+        synthetic.make_step(
+            [700 + 300 * s, 64, 0, 1500][: len(ql)], ql, heads=cfg.num_heads, head_dim=cfg.head_dim,
+            head_dim_v=cfg.head_dim_v, kv_heads=cfg.num_kv_heads, mla=mla, dtype=dt, seed=s,
+        )
+        for s, ql in enumerate(qls)
+    ]  # fmt: skip
+    xs = [synthetic.rank_inputs(s, DCPLayout(), 64, mla=mla, dtype=dt, device=DEV) for s in steps]
+    pages, width = max(x.k_cache.shape[0] for x in xs), max(x.block_table.shape[1] for x in xs)
+    attn = TwoStageAttention(
+        cfg, DCPLayout(), backend="flashinfer", dtype=dt, device=DEV, max_batch_size=4, max_tokens=16,
+        max_pages=pages, fuse_query=fuse,
+    )  # fmt: skip
+    skc = torch.zeros(pages, *xs[0].k_cache.shape[1:], dtype=dt, device=DEV)
+    svc = None if mla else torch.zeros(pages, *xs[0].v_cache.shape[1:], dtype=dt, device=DEV)
+    graphs = {}  # T -> (graph, its static q, k, v, output)
+    for i, (s, x) in enumerate(zip(steps, xs)):
+        skc[: x.k_cache.shape[0]].copy_(x.k_cache)
+        if not mla:
+            svc[: x.v_cache.shape[0]].copy_(x.v_cache)
+        bt = torch.zeros(4, width, dtype=torch.int32, device=DEV)
+        bt[:, : x.block_table.shape[1]] = x.block_table
+        plan = attn.plan(x.query_start_loc, x.seq_lens, bt)
+        eager, lse = attn(x.q, x.k, x.v, skc, svc, plan, return_lse=True)
+        _check(s, cfg, dt, eager, lse, f"step {i}, T = {x.q.shape[0]}")
+        t = x.q.shape[0]
+        if t not in graphs:
+            sq, sk = x.q.clone(), x.k.clone()
+            sv = None if mla else x.v.clone()
+            graphs[t] = (*_graph(lambda q=sq, k=sk, v=sv, p=plan: attn(q, k, v, skc, svc, p)), sq, sk, sv)
+        g, out, sq, sk, sv = graphs[t]
+        sq.copy_(x.q)
+        sk.copy_(x.k)
+        if not mla:
+            sv.copy_(x.v)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), f"step {i}, T = {t}: replay differs from eager"
+
+
 def test_write_new_tokens_in_a_cuda_graph():
     """The per-layer store of the step's K: no host sync (capturable), any cache strides."""
     cfg = _config("mla", 16, 64)
