@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from twostage_mla.oracle import oracle_attention
@@ -24,7 +25,7 @@ def test_oracle_matches_sdpa_on_causal_suffix():
 def test_oracle_tree_mask_and_batches():
     g = torch.Generator().manual_seed(1)
     q = torch.randn(4, 2, 8, generator=g)
-    k = torch.randn(3 + 6, 1, 8, generator=g)
+    k = torch.randn(1 + 6, 1, 8, generator=g)
     # request 0: C=0, Q=1; request 1: C=3, Q=3 with tree 0 <- 1, 0 <- 2
     qsl, sl = torch.tensor([0, 1, 4]), torch.tensor([1, 6])
     o, _ = oracle_attention(q, k, k, qsl, sl, 0.5, parents=torch.tensor([-1, -1, 0, 0]))
@@ -41,3 +42,26 @@ def test_oracle_empty_batch_with_parents():
         torch.tensor([], dtype=torch.int64), 0.3, parents=torch.tensor([], dtype=torch.int64),
     )  # fmt: skip
     assert o.shape == (0, 2, 6) and lse.shape == (0, 2)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(q=torch.randn(5, 2, 8)), r"expected q: \(T = query_start_loc\[-1\] = 4"),
+        (dict(q=torch.randn(4, 3, 8), k=torch.randn(7, 2, 8)), "H a multiple of H_kv = 2"),
+        (dict(k=torch.randn(8, 1, 8)), r"expected k: \(S = seq_lens.sum\(\) = 7"),
+        (dict(v=torch.randn(7, 2, 6)), r"v: \(S, H_kv, Dv\)"),
+        (dict(seq_lens=torch.tensor([1, 2])), r"expected q_len <= seq_len .* seq_lens\[1\] = 2"),
+        (dict(query_start_loc=torch.tensor([0, 4])), r"expected query_start_loc.shape == \(B\+1,\) = \(3,\)"),
+        (dict(parents=torch.tensor([-1, 0])), r"expected parents.shape == \(T,\) = \(4,\)"),
+        (dict(parents=torch.tensor([-1, -1, 2, 0])), "parents before children"),
+        (dict(seq_lens=[1, 6]), "expected seq_lens to be a 1-D integer tensor"),
+    ],
+)
+def test_oracle_refuses_inputs_that_disagree(change, match):
+    args = dict(
+        q=torch.randn(4, 2, 8), k=torch.randn(7, 1, 8), v=torch.randn(7, 1, 6), query_start_loc=torch.tensor([0, 1, 4]),
+        seq_lens=torch.tensor([1, 6]), scale=0.5, parents=None,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        oracle_attention(**{**args, **change})

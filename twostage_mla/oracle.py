@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from twostage_mla.plan import _ancestor_mask
+from twostage_mla.plan import _int_tensor, _step_lengths, _tree_mask
 
 
 def oracle_attention(
@@ -31,21 +31,32 @@ def oracle_attention(
     parents: optional (T,) int tree parents as in :func:`plan_step`; query j
         then sees the context and its ancestors-or-self among the new tokens.
     returns o (T, H, Dv) float64, lse (T, H) float64 (natural log).
+    Raises ValueError naming the argument where these shapes or lengths disagree.
 
     >>> q, kv = torch.randn(3, 4, 8), torch.randn(10, 1, 8)
     >>> o, lse = oracle_attention(q, kv, kv[..., :6], torch.tensor([0, 3]), torch.tensor([10]), 0.3)
     >>> o.shape, lse.shape
     (torch.Size([3, 4, 6]), torch.Size([3, 4]))
     """
-    qsl = query_start_loc.tolist()
-    sl = seq_lens.tolist()
+    qsl, sl, _ = _step_lengths(_int_tensor("query_start_loc", query_start_loc, 1), _int_tensor("seq_lens", seq_lens, 1))
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(f"expected {name}: a 3-D tensor, got {getattr(x, 'shape', type(x).__name__)}")
     h, hk = q.shape[1], k.shape[1]
+    if q.shape[0] != qsl[-1] or q.shape[2] != k.shape[2] or hk < 1 or h % hk:
+        raise ValueError(
+            f"expected q: (T = query_start_loc[-1] = {qsl[-1]}, H a multiple of H_kv = {hk}, D = {k.shape[2]}), "
+            f"got {tuple(q.shape)}"
+        )
+    if k.shape[0] != sum(sl) or v.shape[:2] != k.shape[:2]:
+        raise ValueError(
+            f"expected k: (S = seq_lens.sum() = {sum(sl)}, H_kv, D) and v: (S, H_kv, Dv), "
+            f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     g = h // hk
     o = torch.zeros(q.shape[0], h, v.shape[-1], dtype=torch.float64)
     lse = torch.full((q.shape[0], h), float("-inf"), dtype=torch.float64)
-    tree = None
-    if parents is not None:
-        tree = _ancestor_mask(parents.cpu().long(), qsl, max((b - a for a, b in zip(qsl, qsl[1:])), default=0))
+    tree = None if parents is None else _tree_mask(parents, qsl)
     start = 0
     for b in range(len(sl)):
         t0, t1, n = qsl[b], qsl[b + 1], sl[b]

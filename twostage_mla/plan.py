@@ -114,6 +114,46 @@ def _int_tensor(name: str, x: Any, dim: int) -> torch.Tensor:
     return x
 
 
+def _step_lengths(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+    """Check a step's lengths (integer tensors, (B+1,) and (B,)); returns them as host lists and q_lens."""
+    if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError(
+            f"expected query_start_loc.shape == (B+1,) = ({seq_lens.shape[0] + 1},), "
+            f"got {tuple(query_start_loc.shape)}"
+        )
+    qsl, sl = query_start_loc.tolist(), seq_lens.tolist()
+    if qsl[0] != 0:
+        raise ValueError(f"expected query_start_loc[0] == 0, got {qsl[0]}")
+    q_lens = [b - a for a, b in zip(qsl, qsl[1:])]
+    for i, (q, n) in enumerate(zip(q_lens, sl)):
+        if q < 0:
+            raise ValueError(f"expected query_start_loc non-decreasing, got q_len {q} for request {i}")
+        if n < 0:
+            raise ValueError(f"expected seq_lens >= 0, got seq_lens[{i}] = {n}")
+        if q > n:
+            raise ValueError(
+                f"expected q_len <= seq_len for every request, got q_len {q} > "
+                f"seq_lens[{i}] = {n} (seq_lens counts the step's new tokens too)"
+            )
+    return qsl, sl, q_lens
+
+
+def _tree_mask(parents: Any, qsl: list[int]) -> torch.Tensor:
+    """Check tree ``parents`` ((T,) int, within-request indices) of a step; returns its ancestor mask on the host."""
+    par = _int_tensor("parents", parents, 1)
+    if par.shape[0] != qsl[-1]:
+        raise ValueError(f"expected parents.shape == (T,) = ({qsl[-1]},), got {tuple(par.shape)}")
+    q_lens = [b - a for a, b in zip(qsl, qsl[1:])]
+    offset = torch.cat([torch.arange(q) for q in q_lens]) if q_lens else torch.zeros(0, dtype=torch.long)
+    par_h = par.cpu().long()
+    if bool(((par_h < -1) | (par_h >= offset)).any()):
+        raise ValueError(
+            "expected parents[t] == -1 or 0 <= parents[t] < t's index in its request "
+            f"(parents before children), got {par_h.tolist()}"
+        )
+    return _ancestor_mask(par_h, qsl, max(q_lens, default=0))
+
+
 def _ancestor_mask(parents: torch.Tensor, qsl: list[int], max_q: int) -> torch.Tensor:
     """(B, max_q, max_q) bool: [b, j, i] = token i is token j or one of its ancestors."""
     b = len(qsl) - 1
@@ -163,9 +203,8 @@ def plan_step(
         raise ValueError(
             f"expected page_size to be a positive multiple of interleave = {layout.interleave}, got {page_size!r}"
         )
-    b = sl_t.shape[0]
-    if qsl_t.shape[0] != b + 1:
-        raise ValueError(f"expected query_start_loc.shape == (B+1,) = ({b + 1},), got {tuple(qsl_t.shape)}")
+    qsl, sl, q_lens = _step_lengths(qsl_t, sl_t)
+    b = len(sl)
     if bt.shape[0] != b:
         raise ValueError(f"expected block_table.shape[0] == B = {b}, got {tuple(bt.shape)}")
     device = qsl_t.device
@@ -173,21 +212,6 @@ def plan_step(
         if t.device != device:
             raise ValueError(f"expected {name} on {device} like query_start_loc, got {t.device}")
 
-    qsl = qsl_t.tolist()
-    sl = sl_t.tolist()
-    if qsl[0] != 0:
-        raise ValueError(f"expected query_start_loc[0] == 0, got {qsl[0]}")
-    q_lens = [qsl[i + 1] - qsl[i] for i in range(b)]
-    for i in range(b):
-        if q_lens[i] < 0:
-            raise ValueError(f"expected query_start_loc non-decreasing, got q_len {q_lens[i]} for request {i}")
-        if sl[i] < 0:
-            raise ValueError(f"expected seq_lens >= 0, got seq_lens[{i}] = {sl[i]}")
-        if q_lens[i] > sl[i]:
-            raise ValueError(
-                f"expected q_len <= seq_len for every request, got q_len {q_lens[i]} > "
-                f"seq_lens[{i}] = {sl[i]} (seq_lens counts the step's new tokens too)"
-            )
     n, r, il = layout.world_size, layout.rank, layout.interleave
     # Width is checked against rank 0's need (the largest of any rank), so a
     # table too narrow for some rank is refused on every rank alike: no rank
@@ -221,16 +245,7 @@ def plan_step(
 
     query_mask = None
     if parents is not None:
-        par = _int_tensor("parents", parents, 1)
-        if par.shape[0] != t:
-            raise ValueError(f"expected parents.shape == (T,) = ({t},), got {tuple(par.shape)}")
-        par_h = par.cpu().long()
-        if bool(((par_h < -1) | (par_h >= token_offset)).any()):
-            raise ValueError(
-                "expected parents[t] == -1 or 0 <= parents[t] < t's index in its request "
-                f"(parents before children), got {par_h.tolist()}"
-            )
-        query_mask = _ancestor_mask(par_h, qsl, max_q).to(device)
+        query_mask = _tree_mask(parents, qsl).to(device)
 
     i32 = dict(dtype=torch.int32, device=device)
     plan = StepPlan(
