@@ -45,6 +45,7 @@ def test_demo_report_and_errors():
     assert "max_rel_err" in r.stdout and "N=3" in r.stdout
     bad = demo("--world-size", "3", "--heads", "16")
     assert bad.returncode == 2 and "expected world_size >= 1 dividing heads = 16, got world_size = 3" in bad.stderr
+    assert "usage: twostage-mla demo" in bad.stderr  # the command's usage, not the top level's
 
 
 def test_demo_refuses_bad_options_before_starting_processes():
@@ -58,6 +59,7 @@ def test_demo_refuses_bad_options_before_starting_processes():
         (dict(backend="nope"), "backend to be 'auto' or one of"),
         (dict(min_context=10, max_context=5), "min_context <= max_context"),
         (dict(heads=0), "heads >= 1, got 0"),
+        (dict(dtype="fp64"), r"expected dtype auto, float32, bfloat16, float16 \(or fp32, bf16, fp16\), got 'fp64'"),
         (dict(backend="flashinfer", device="cpu"), r"(?s)backend 'flashinfer' cannot serve .*device 'cpu' not in"),
     ]:
         with pytest.raises(ValueError, match=match):

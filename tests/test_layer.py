@@ -178,13 +178,15 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
     tree = torch.tensor([-1, 0, -1, 0, 1], dtype=torch.int64)
     expect(attn.plan, x.query_start_loc, x.seq_lens, x.block_table, parents=tree if rank else None)
     # Layers that differ across ranks: a hang (combine) or a wrong answer (scale, interleave) later.
+    # They are refused when built, so a layer that shares another's plan is covered too.
     for kw in (dict(combine=("a2a", "ag_rs")[rank % 2]), dict(cfg=replace(cfg, scale=0.2 + 0.1 * rank))):
-        odd = TwoStageAttention(kw.pop("cfg", cfg), layout, group=dist.group.WORLD, dtype=torch.float32, **kw)
-        expect(odd.plan, x.query_start_loc, x.seq_lens, x.block_table)
+        expect(TwoStageAttention, kw.pop("cfg", cfg), layout, group=dist.group.WORLD, dtype=torch.float32, **kw)
     # ... compared by value: scale 1 and 1.0 are the same layer.
     same = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=(1, 1.0)[rank % 2])
     expect(TwoStageAttention(same, layout, group=dist.group.WORLD, dtype=torch.float32).plan, x.query_start_loc,
            x.seq_lens, x.block_table)  # fmt: skip
+    # One rank's mistake in building a layer: every rank raises, none waits for it in plan().
+    expect(TwoStageAttention, cfg, layout, group=dist.group.WORLD, combine="ring" if rank == 1 else "a2a")
     # Each of the steps the group refused on this layer dropped the earlier plans on every rank alike
     # (FlashInfer's wrappers hold one step's plan; those of the ranks that accepted were re-planned).
     assert calls == [1] * 6, calls
@@ -222,14 +224,16 @@ def test_bad_input_raises_before_any_collective(world):
             r"page_size to be a multiple of interleave = 2, got 3",
             r"page ids >= 0 in the first \d+ entries of block_table\[0\]|a refusal on rank\(s\) \[0\]",
             r"block_table page ids < num_pages = 1 \(pages of this rank's cache\)",
-            r"same query_start_loc, seq_lens and parents on every rank .*differ across ranks "
-            r"\(rank 0: T=5 B=2, rank 1: T=5 B=2\)",
+            r"same query_start_loc, seq_lens and parents on every rank .*got different ones on ranks \[0\] vs "
+            r"\[1\] \(rank 0: T=5 B=2, rank 1: T=5 B=2\)",
             r"same query_start_loc, seq_lens and parents on every rank",
             r"same query_start_loc, seq_lens and parents on every rank .* \(rank 0: T=8 B=4, rank 1: T=8 B=4\)",
             r"same query_start_loc, seq_lens and parents on every rank",
-            r"same layer on every rank of the DCP group \(config, .*combine, dtype\), got rank\(s\) \[1\]",
-            r"same layer on every rank of the DCP group .* got rank\(s\) \[1\] with another than rank 0",
+            r"same layer on every rank of the DCP group \(config, .*combine, dtype\), got different ones on ranks "
+            r"\[0\] vs \[1\]",
+            r"same layer on every rank of the DCP group",
             r"^no error$",
+            r"combine in \('a2a', 'ag_rs'\), got 'ring'|accept this layer, got a refusal on rank\(s\) \[1\]",
         ]
         assert len(messages) == len(expected), messages
         for m, pattern in zip(messages, expected):
@@ -248,6 +252,12 @@ def test_config_errors():
     for bad in (0.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="scale to be a finite number > 0"):
             AttentionConfig(4, 16, 16, 4, bad)
+    cfg = AttentionConfig(4, 16, 16, 4, 0.1)
+    with pytest.raises(ValueError, match="expected dtype to be a torch.dtype .* got 'bfloat16'"):
+        TwoStageAttention(cfg, DCPLayout(), dtype="bfloat16")
+    if not torch.cuda.is_available():  # the README's device="cuda" on a machine without one
+        with pytest.raises(ValueError, match="expected device 'cuda' to exist, but torch.cuda.is_available"):
+            TwoStageAttention(cfg, DCPLayout(), device="cuda")
 
 
 def _one_rank_step(cfg: AttentionConfig, **kw):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from twostage_mla.layout import DCPLayout, kv_slots, local_pages
+from twostage_mla.plan import _int_tensor
 
 
 def build_shard(
@@ -33,8 +34,21 @@ def build_shard(
     returns cache (P, page_size, H_kv, D) kv.dtype, block_table (B, max_pages) int32
     (the same width on every rank; unused entries 0).
     """
+    if not isinstance(layout, DCPLayout):
+        raise ValueError(f"expected layout to be a DCPLayout, got {type(layout).__name__}")
+    sl = _int_tensor("seq_lens", seq_lens, 1).tolist()
+    if any(s < 0 for s in sl):
+        raise ValueError(f"expected seq_lens >= 0, got {sl}")
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 3 or kv.shape[0] != sum(sl):
+        got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
+        raise ValueError(f"expected kv: (S = seq_lens.sum() = {sum(sl)}, H_kv, D), got {got}")
+    if not isinstance(page_size, int) or page_size < 1 or page_size % layout.interleave:
+        raise ValueError(
+            f"expected page_size to be a positive multiple of interleave = {layout.interleave}, got {page_size!r}"
+        )
+    if not isinstance(extra_pages, int) or extra_pages < 0:
+        raise ValueError(f"expected extra_pages >= 0, got {extra_pages!r}")
     n, r, i = layout.world_size, layout.rank, layout.interleave
-    sl = seq_lens.tolist()
     pages = [local_pages(s, n, i, r, page_size) for s in sl]
     # Every rank's table is as wide as rank 0 needs (the most), as plan_step asks.
     width = max(max((local_pages(s, n, i, 0, page_size) for s in sl), default=0), 1)

@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(bench)
     args = parser.parse_args(argv)
+    fail = {"demo": demo, "check": check, "bench": bench}[args.command].error  # usage of that command
 
     if args.command == "bench":
         from twostage_mla.bench import run_bench
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run_bench(args)
         except ValueError as e:
-            parser.error(str(e))
+            fail(str(e))
         return 0
 
     if args.command == "check":
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         try:  # a bad option raises before any row, so no table starts
             rows = run_check(args.device, tuple(args.dtype), on_row=None if args.json else show)
         except ValueError as e:
-            parser.error(str(e))
+            fail(str(e))
         if args.json:
             print(json.dumps(rows))
         return 1 if any(r["status"].startswith("FAIL") for r in rows) else 0
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             report = run_demo(DemoArgs(**opts))
         except ValueError as e:
-            parser.error(str(e))
+            fail(str(e))
         print(json.dumps(report) if args.json else format_report(report))
     return 0
 

@@ -21,6 +21,29 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def agree(row: list[int], group: dist.ProcessGroup, device: torch.device | None = None) -> list[list[int]]:
+    """Every rank's ``row`` of small ints, in one all-reduce (a host sync: for setup and plans only).
+
+    returns N rows, row r = rank r's. device: where the all-reduce runs (None: the CPU for gloo,
+    the current GPU for NCCL; for a rank that refused its setup and has no valid device of its own).
+    """
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    rows = torch.zeros(n, len(row), dtype=torch.int64, device=device)
+    rows[r] = torch.tensor(row, dtype=torch.int64)
+    dist.all_reduce(rows, group=group)
+    return rows.tolist()
+
+
+def differing(rows: list[list[int]]) -> str:
+    """The ranks grouped by equal rows, for an error message: '[0] vs [1, 2, 3]'."""
+    groups: dict[tuple, list[int]] = {}
+    for r, row in enumerate(rows):
+        groups.setdefault(tuple(row), []).append(r)
+    return " vs ".join(str(ranks) for ranks in groups.values())
+
+
 def gather_queries(q: torch.Tensor, group: dist.ProcessGroup, world_size: int) -> tuple[torch.Tensor, dist.Work]:
     """Start the all-gather of every rank's queries.
 

@@ -44,7 +44,7 @@ class DemoArgs:
     min_context: int = _opt(1000, "shortest context of a request, in tokens")
     max_context: int = _opt(4000, "longest context of a request, in tokens")
     max_q_len: int = _opt(8, "new tokens per request: 1 .. max_q_len, mixed in the batch")
-    dtype: str = _opt("auto", "auto (bfloat16 on GPUs, float32 on CPUs), float32, bfloat16 or float16")
+    dtype: str = _opt("auto", "auto (bfloat16 on GPUs, float32 on CPUs), float32, bfloat16, float16 (or fp32, ...)")
     combine: str = _opt("a2a", "cross-rank combine: a2a (one all-to-all) or ag_rs (all-gather + reduce-scatter)")
     backend: str = _opt("auto", "attention backend: auto (the fastest that serves) or one by name")
     device: str = _opt("auto", "auto (cuda if there are world_size GPUs, else cpu), cpu or cuda")
@@ -187,9 +187,11 @@ def run_demo(args: DemoArgs) -> dict:
     if args.combine not in COMBINE_METHODS:
         raise ValueError(f"expected combine in {COMBINE_METHODS}, got {args.combine!r}")
     device = resolve_device(args.world_size, args.device)
+    names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # the short names check takes too
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"expected dtype in ('auto', 'float32', 'bfloat16', 'float16'), got {dtype!r}")
+    dtype = names.get(dtype, dtype)
+    if dtype not in names.values():
+        raise ValueError(f"expected dtype auto, float32, bfloat16, float16 (or fp32, bf16, fp16), got {dtype!r}")
     args = DemoArgs(**{**asdict(args), "dtype": dtype, "device": device})
     # The registry's own check, here before processes start: an unknown name, or a backend that
     # cannot serve the workers' layer (with its reasons).

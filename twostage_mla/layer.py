@@ -178,6 +178,34 @@ class TwoStageAttention:
         max_q_len: int | None = None,
         fuse_query: bool | None = None,
     ) -> None:
+        if isinstance(layout, DCPLayout) and layout.world_size > 1 and group is None:
+            raise ValueError(f"expected a process group of size {layout.world_size}, got group=None")
+        # With a group, the ranks agree on the layer here (one small all-reduce, once per layer):
+        # where one rank refuses its setup every rank raises, rather than wait in a later
+        # collective for it, and layers that differ across ranks (a combine that would hang,
+        # a scale that would be wrong) are refused on every rank.
+        try:
+            self._setup(config, layout, group, combine, backend, dtype, device, fuse_query,
+                        CaptureLimits(max_batch_size, max_tokens, max_pages, max_q_len))  # fmt: skip
+        except Exception:
+            if group is not None:
+                comm.agree([1, 0], group)
+            raise
+        if group is not None:
+            rows = comm.agree([0, self._digest], group, self.device)
+            refused = [r for r, row in enumerate(rows) if row[0]]
+            if refused:
+                raise ValueError(
+                    f"expected every rank of the DCP group to accept this layer, got a refusal on rank(s) {refused} "
+                    "(their error names the argument)"
+                )
+            if len({row[1] for row in rows}) > 1:
+                raise ValueError(
+                    "expected the same layer on every rank of the DCP group (config, world_size, interleave, "
+                    f"combine, dtype), got different ones on ranks {comm.differing(rows)}"
+                )
+
+    def _setup(self, config, layout, group, combine, backend, dtype, device, fuse_query, limits) -> None:
         if not isinstance(config, AttentionConfig):
             raise ValueError(f"expected config to be an AttentionConfig, got {type(config).__name__}")
         if not isinstance(layout, DCPLayout):
@@ -188,8 +216,6 @@ class TwoStageAttention:
             )
         if combine not in comm.COMBINE_METHODS:
             raise ValueError(f"expected combine in {comm.COMBINE_METHODS}, got {combine!r}")
-        if layout.world_size > 1 and group is None:
-            raise ValueError(f"expected a process group of size {layout.world_size}, got group=None")
         if group is not None:  # a group that disagrees with the layout would read the wrong shard
             size, rank = dist.get_world_size(group), dist.get_rank(group)
             if (size, rank) != (layout.world_size, layout.rank):
@@ -198,11 +224,14 @@ class TwoStageAttention:
                     f"{layout.rank} (the layout), got size {size}, rank {rank}"
                 )
         self.config, self.layout, self.group, self.combine = config, layout, group, combine
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"expected dtype to be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
         self.dtype, self.device = dtype, torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"expected device {str(self.device)!r} to exist, but torch.cuda.is_available() is False")
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" means the current GPU: name it
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.spec = _spec(config, layout.world_size, dtype, self.device)
-        limits = CaptureLimits(max_batch_size, max_tokens, max_pages, max_q_len)
         self.backend = select_backend(self.spec, backend, limits)(self.spec, limits)
         self.merge = select_merge(self.spec)
         if fuse_query not in (None, True, False):
@@ -220,7 +249,7 @@ class TwoStageAttention:
         # compiled for the longest request of any step, not of the step it was captured with.
         self._fixed: dict[str, torch.Tensor] = {}
         self._fixed_count = [0]  # plans written into them; a plan keeps its number (StepPlan.fixed_version)
-        # What every rank's layer must share, compared in plan() (the backend may differ: same maths).
+        # What every rank's layer must share, agreed in __init__ (the backend may differ: same maths).
         # By value, not repr: scale=1 and scale=1.0 (or a numpy float) are the same layer.
         layer = [float(v).hex() if f.name == "scale" else v for f in fields(config) for v in [getattr(config, f.name)]]
         self._digest = _digest(*layer, layout.world_size, layout.interleave, combine, dtype)
@@ -262,29 +291,23 @@ class TwoStageAttention:
     def _agree(self, plan: StepPlan | None, parents: torch.Tensor | None) -> None:
         """Raise on every rank unless every rank of the group planned the same step (no-op for N = 1).
 
-        plan: this rank's plan, None where it refused the step. One all-reduce of a (N, 5) int64
-        table, row r = rank r's (refused, T, B, digest of the step's query_start_loc, seq_lens and
-        parents, digest of the layer: config, world size, interleave, combine, dtype): the step
-        and the layer are the same on every rank, or the layer's collectives would not match (a
-        hang, or a silently wrong answer). Where the group refuses, every rank also drops the plans
-        it made before that its kernels hold (some ranks' were re-planned, the refusing ones' not),
-        so all refuse them alike (invalidate_plans; a no-op where plans hold their own tensors).
+        plan: this rank's plan, None where it refused the step. One all-reduce of rows (refused, T,
+        B, digest of the step's query_start_loc, seq_lens and parents), one per rank: the step is
+        the same on every rank, or the layer's collectives would not match (a hang, or a silently
+        wrong answer); the layer itself was agreed in __init__. Where the group refuses, every rank
+        also drops the plans it made before that its kernels hold (some ranks' were re-planned, the
+        refusing ones' not), so all refuse them alike (invalidate_plans; a no-op where plans hold
+        their own tensors).
         """
-        n = self.layout.world_size
-        if n == 1:
+        if self.layout.world_size == 1:
             return
-        rows = torch.zeros(n, 5, dtype=torch.int64, device=self.device)
         if plan is None:
-            rows[self.layout.rank, 0] = 1
+            row = [1, 0, 0, 0]
         else:
-            step = _digest(plan.query_start_loc, plan.seq_lens, parents)
-            rows[self.layout.rank, 1:] = torch.tensor([plan.num_tokens, plan.batch_size, step, self._digest])
-        dist.all_reduce(rows, group=self.group)
-        rows = rows.tolist()
-        refused = [r for r in range(n) if rows[r][0]]
-        other_layer = [r for r in range(n) if not refused and rows[r][4] != rows[0][4]]
-        other_step = not refused and len({tuple(x[1:4]) for x in rows}) > 1
-        if not (refused or other_layer or other_step):
+            row = [0, plan.num_tokens, plan.batch_size, _digest(plan.query_start_loc, plan.seq_lens, parents)]
+        rows = comm.agree(row, self.group, self.device)
+        refused = [r for r, row in enumerate(rows) if row[0]]
+        if not refused and len({tuple(row) for row in rows}) == 1:
             return
         self._fixed_count[0] += 1
         self.backend.invalidate_plans()
@@ -295,15 +318,10 @@ class TwoStageAttention:
                 f"expected every rank of the DCP group to accept this step's metadata, got a refusal on rank(s) "
                 f"{refused} (their error names the argument)"
             )
-        if other_layer:
-            raise ValueError(
-                "expected the same layer on every rank of the DCP group (config, world_size, interleave, combine, "
-                f"dtype), got rank(s) {other_layer} with another than rank 0"
-            )
         counts = ", ".join(f"rank {r}: T={x[1]} B={x[2]}" for r, x in enumerate(rows))
         raise ValueError(
-            "expected the same query_start_loc, seq_lens and parents on every rank of the DCP group, got values "
-            f"that differ across ranks ({counts})"
+            "expected the same query_start_loc, seq_lens and parents on every rank of the DCP group, got different "
+            f"ones on ranks {comm.differing(rows)} ({counts})"
         )
 
     def _plan(self, query_start_loc, seq_lens, block_table, parents, num_pages) -> StepPlan:

@@ -73,6 +73,11 @@ def merge_states(
         )
     out_dtype = out_dtype or o.dtype
     if extra is not None:
+        if len(extra) != 2 or extra[0].shape != o.shape[1:] or extra[1].shape != lse.shape[1:]:
+            raise ValueError(
+                f"expected extra = (o (T, H, Dv) = {tuple(o.shape[1:])}, lse (T, H) = {tuple(lse.shape[1:])}), "
+                f"got {[tuple(x.shape) for x in extra]}"
+            )
         o = torch.cat([o.float(), extra[0].float()[None]])
         lse = torch.cat([lse.float(), extra[1].float()[None]])
     lse = lse.float()
