@@ -119,6 +119,32 @@ def test_nan_query_reaches_its_row_and_no_other():
             assert nan_row and finite_rest and err < 1e-5, (rank, combine, nan_row, finite_rest, err)
 
 
+@pytest.mark.parametrize("fmt", ["mla", "gqa"])
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_nan_in_a_fresh_key_reaches_only_the_tokens_that_see_it(fmt, tree):
+    """The query pass: a key a token does not see (a later token, a tree sibling) adds nothing, not 0 x NaN."""
+    mla = fmt == "mla"
+    cfg = (
+        AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+        if mla
+        else AttentionConfig(4, 16, 12, 4, 0.25, num_kv_heads=2, kv_format="gqa")
+    )
+    step = synthetic.make_step([5, 9], [4, 3], heads=cfg.num_heads, head_dim=cfg.head_dim,
+                               head_dim_v=cfg.head_dim_v, kv_heads=cfg.num_kv_heads, mla=mla, seed=3)  # fmt: skip
+    parents = torch.tensor([-1, 0, 0, 1, -1, 0, 1]) if tree else None
+    x = synthetic.rank_inputs(step, DCPLayout(), 4, mla=mla, dtype=torch.float32, device="cpu")
+    attn = TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32)
+    plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=parents)
+    k, v = x.k.clone(), None if mla else x.v.clone()
+    (k if mla else v)[2] = float("nan")  # token 2 of request 0: its fresh V
+    out = attn(x.q, k, v, x.k_cache, x.v_cache, plan)
+    sees = plan.query_mask[0, :, 2] if tree else torch.arange(4) >= 2  # tokens of request 0 that see token 2
+    bad = torch.cat([sees, torch.zeros(3, dtype=torch.bool)])
+    assert out[bad].isnan().all() and not out[~bad].isnan().any(), out.isnan().any(dim=(1, 2))
+    ref, _ = synthetic.oracle(replace(step, parents=parents), cfg.scale)
+    assert (out[~bad].double() - ref[~bad]).abs().max() < 1e-5
+
+
 def _bad_inputs(rank: int, world: int) -> list[str]:
     """Every rank makes the same mistakes; each must raise before any collective."""
     layout = DCPLayout(world, rank, 2)
