@@ -105,7 +105,7 @@ def _graphed(fn, device: torch.device):
 
 
 def _q_gather(q, group, n):
-    buf, work = comm.gather_queries(q, group, n)
+    buf, work = comm.gather_queries(q, group)
     work.wait()
     return comm.from_rank_major(buf, 1)  # (T, N*H_loc, D), as the context pass takes it
 
@@ -118,7 +118,7 @@ def _split_a2a(q, o_c, lse_c, group, n):
 
 def _split_ag_rs(q, o_c, lse_c, group, n, rank):
     _q_gather(q, group, n)
-    return comm.combine_ag_rs(comm.to_rank_major(o_c, n, 1), comm.to_rank_major(lse_c, n, 1), group, rank=rank)
+    return comm.combine_ag_rs(comm.to_rank_major(o_c, n, 1), comm.to_rank_major(lse_c, n, 1), group)
 
 
 def _worker(rank: int, a: argparse.Namespace, init: str, out_path: str) -> None:

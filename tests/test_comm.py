@@ -30,10 +30,10 @@ def _combine(rank: int, world: int, dtype: torch.dtype) -> dict:
         if name == "a2a":
             res = comm.combine_a2a(o[rank], lse[rank], dist.group.WORLD)
         else:
-            res = comm.combine_ag_rs(o[rank], lse[rank], dist.group.WORLD, rank=rank)
+            res = comm.combine_ag_rs(o[rank], lse[rank], dist.group.WORLD)
         out[name] = res
     q = torch.full((4, 2, 6), float(rank)).to(dtype)
-    buf, work = comm.gather_queries(q, dist.group.WORLD, world)
+    buf, work = comm.gather_queries(q, dist.group.WORLD)
     work.wait()
     out["gathered"] = buf
     return out
@@ -72,7 +72,7 @@ def _no_tokens(rank: int, world: int) -> dict:
     o, lse = torch.randn(world, 0, 2, 8), torch.randn(world, 0, 2)
     return {
         "a2a": comm.combine_a2a(o, lse, dist.group.WORLD),
-        "ag_rs": comm.combine_ag_rs(o, lse, dist.group.WORLD, rank=rank),
+        "ag_rs": comm.combine_ag_rs(o, lse, dist.group.WORLD),
     }
 
 
@@ -80,3 +80,25 @@ def test_combines_of_no_tokens():
     for res in run_ranks(2, _no_tokens):
         for name in comm.COMBINE_METHODS:
             assert res[name][0].shape == (0, 2, 8) and res[name][1].shape == (0, 2), name
+
+
+def _wrong_count(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+
+    messages = []
+    for o, lse in ((torch.randn(world + 1, 3, 2, 8), torch.randn(world + 1, 3, 2)),  # a state per rank, plus one
+                   (torch.randn(world, 3, 2, 8), torch.randn(world, 2, 3))):  # lse of another (T, H)  # fmt: skip
+        for fn in (comm.combine_a2a, comm.combine_ag_rs):
+            try:
+                fn(o, lse, dist.group.WORLD)
+                messages.append("no error")
+            except ValueError as e:
+                messages.append(str(e))
+    return messages
+
+
+def test_states_not_matching_the_group_are_refused_before_the_collective():
+    for messages in run_ranks(2, _wrong_count):
+        assert len(messages) == 4
+        for m in messages:
+            assert m.startswith("expected o: (N = 2, T, H, Dv) and lse: (N, T, H) = o.shape[:3], got o ("), m

@@ -275,6 +275,8 @@ def test_config_errors():
         AttentionConfig(4, 16, 16, 4, 0.1, 1, "mha")
     with pytest.raises(ValueError, match="num_heads to be a positive int, got 0"):
         AttentionConfig(0, 16, 16, 4, 0.1)
+    with pytest.raises(ValueError, match="page_size to be a positive int, got True"):
+        AttentionConfig(4, 16, 16, True, 0.1)
     for bad in (0.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="scale to be a finite number > 0"):
             AttentionConfig(4, 16, 16, 4, bad)

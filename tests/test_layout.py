@@ -86,3 +86,5 @@ def test_layout_rejects_bad_values():
         DCPLayout(2, 0, 0)
     with pytest.raises(ValueError, match=r"0 <= rank < world_size = 2, got rank=2"):
         DCPLayout(2, 2, 1)
+    with pytest.raises(ValueError, match="expected interleave to be an int, got True"):
+        DCPLayout(2, 0, True)

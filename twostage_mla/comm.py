@@ -1,6 +1,9 @@
 """Cross-rank communication of the DCP group: gather queries, combine states.
 
-The process group is always passed in. Head order on the wire is rank-major:
+The process group is always passed in; N and this rank are the group's.
+Nothing is compared across ranks here (no communication beyond the
+collective itself): every rank passes the same T, heads and dtype, as the
+layer does once plan() agreed on the step. Head order on the wire is rank-major:
 rank s's local heads are heads s*H .. s*H+H-1 of the gathered tensor, so a
 split over heads hands every rank back its own. Every function is free of
 host synchronisation (usable under CUDA graph capture).
@@ -44,17 +47,29 @@ def differing(rows: list[list[int]]) -> str:
     return " vs ".join(str(ranks) for ranks in groups.values())
 
 
-def gather_queries(q: torch.Tensor, group: dist.ProcessGroup, world_size: int) -> tuple[torch.Tensor, dist.Work]:
+def _check_states(o: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup) -> int:
+    """N, the group's size, after checking o: (N, T, H, Dv) and lse: (N, T, H) against it (no communication)."""
+    n = dist.get_world_size(group)
+    if o.dim() != 4 or o.shape[0] != n or lse.shape != o.shape[:3]:
+        raise ValueError(
+            f"expected o: (N = {n}, T, H, Dv) and lse: (N, T, H) = o.shape[:3], got o {tuple(o.shape)} and "
+            f"lse {tuple(lse.shape)}"
+        )
+    return n
+
+
+def gather_queries(q: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
     """Start the all-gather of every rank's queries.
 
     q: (T, H, D), this rank's heads.
     returns (buffer, work): after ``work.wait()`` buffer is (N, T, H, D),
     rank-major; overlap independent work (the query pass) before waiting.
     """
+    n = dist.get_world_size(group)
     # Gathered flat along dim 0 (gloo insists), viewed as (N, T, ...) after.
-    out = q.new_empty((world_size * q.shape[0], *q.shape[1:]))
+    out = q.new_empty((n * q.shape[0], *q.shape[1:]))
     work = _all_gather(out, q.contiguous(), group=group, async_op=True)
-    return out.view(world_size, *q.shape), work
+    return out.view(n, *q.shape), work
 
 
 def exchange_a2a(o: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +81,7 @@ def exchange_a2a(o: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup) -
     returns o (N, T, H, Dv) o.dtype and lse (N, T, H) float32, slice n = from
     rank n's shard; views into one receive buffer.
     """
-    n = o.shape[0]
+    n = _check_states(o, lse, group)
     if o[0].numel() == 0:  # no rows (T = 0): nothing to send; every rank of the group has the same T
         return o.new_zeros(o.shape), lse.new_zeros(lse.shape, dtype=torch.float32)
     # o and lse travel as raw bytes in one collective; both segments are padded
@@ -104,8 +119,6 @@ def combine_ag_rs(
     o: torch.Tensor,
     lse: torch.Tensor,
     group: dist.ProcessGroup,
-    *,
-    rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather lse, rescale, reduce-scatter over heads (the engines' "ag_rs").
 
@@ -114,7 +127,7 @@ def combine_ag_rs(
     The reduce-scatter sums in float32, so the result does not depend on N's
     rounding order in the compute dtype.
     """
-    n = o.shape[0]
+    n, rank = _check_states(o, lse, group), dist.get_rank(group)
     all_lse = lse.new_empty((n * n, *lse.shape[1:]), dtype=torch.float32)
     _all_gather(all_lse, lse.float().contiguous(), group=group)
     all_lse = all_lse.view(n, *lse.shape)  # (src, dst, T, H)

@@ -64,7 +64,7 @@ class AttentionConfig:
     def __post_init__(self) -> None:
         for name in ("num_heads", "head_dim", "head_dim_v", "page_size", "num_kv_heads"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"expected {name} to be a positive int, got {v!r}")
         if self.kv_format not in ("mla", "gqa"):
             raise ValueError(f"expected kv_format 'mla' or 'gqa', got {self.kv_format!r}")
@@ -453,7 +453,7 @@ class TwoStageAttention:
 
         n, q_local = self.layout.world_size, q
         if n > 1:
-            gathered, work = comm.gather_queries(q, self.group, n)
+            gathered, work = comm.gather_queries(q, self.group)
         if self.query_merge is None:
             with record_function(PHASES[0]):
                 o_q, lse_q = self.backend.query(q, k, v, plan)  # overlaps the all-gather
@@ -471,7 +471,7 @@ class TwoStageAttention:
                 if self.combine == "a2a":  # the N received states are merged in step 5
                     o_c, lse_c = comm.exchange_a2a(o_c, lse_c, self.group)
                 else:
-                    o_c, lse_c = comm.combine_ag_rs(o_c, lse_c, self.group, rank=self.layout.rank)
+                    o_c, lse_c = comm.combine_ag_rs(o_c, lse_c, self.group)
                     o_c, lse_c = o_c[None], lse_c[None]
         with record_function(PHASES[4]):
             if self.query_merge is None:

@@ -38,6 +38,9 @@ class DCPLayout:
     interleave: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("world_size", "rank", "interleave"):
+            if isinstance(getattr(self, name), bool):  # an int to isinstance, but never meant as one
+                raise ValueError(f"expected {name} to be an int, got {getattr(self, name)!r}")
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"expected world_size >= 1 (an int), got {self.world_size!r}")
         if not isinstance(self.interleave, int) or self.interleave < 1:
