@@ -77,6 +77,8 @@ def test_shape_errors_name_arguments():
         merge_states(torch.randn(2, 3, 4, 5), torch.randn(2, 3))
     with pytest.raises(ValueError, match="o_a"):
         merge_state(torch.randn(3, 4, 5), torch.randn(3, 4), torch.randn(3, 4, 6), torch.randn(3, 4))
+    with pytest.raises(ValueError, match="expected lse_a float32 and o_a of a float dtype"):
+        merge_state_(torch.randn(3, 4, 5), torch.randn(3, 4).half(), torch.randn(3, 4, 5), torch.randn(3, 4))
     with pytest.raises(ValueError, match=r"expected extra = \(o \(T, H, Dv\) = \(3, 4, 5\), lse \(T, H\) = \(3, 4\)\)"):
         merge_states(torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4), extra=(torch.randn(3, 4, 6), torch.randn(3, 4)))
 

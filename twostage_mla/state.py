@@ -125,6 +125,9 @@ def merge_state_(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
 
     o_a: (T, H, Dv), lse_a: (T, H) float32 (both written); o_b, lse_b as o_a, lse_a.
     """
+    if lse_a.dtype != torch.float32 or not o_a.is_floating_point():
+        raise ValueError(f"expected lse_a float32 and o_a of a float dtype (written in place), got {lse_a.dtype}, "
+                         f"{o_a.dtype}")  # fmt: skip
     o, lse = merge_state(o_a, lse_a, o_b, lse_b)
     o_a.copy_(o)
     lse_a.copy_(lse)
