@@ -371,6 +371,33 @@ def test_flashinfer_steps_of_one_batch_and_other_token_counts(fmt, fuse):
         assert torch.equal(out, eager), f"step {i}, T = {t}: replay differs from eager"
 
 
+@pytest.mark.parametrize("name", [n for n in backend_names()])
+@pytest.mark.parametrize("fmt", ["mla", "gqa"])
+def test_strided_inputs_on_cuda(name, fmt):
+    """q, k, v with stride 2 in the head dim and caches strided in pages, through the real kernels."""
+    cfg = _config(fmt, 16 if fmt == "mla" else 8, 64)
+    if name not in _serving(cfg, torch.bfloat16):
+        pytest.skip(f"{name} does not serve {fmt} here")
+    step, x, attn, plan = _run(name, cfg, torch.bfloat16, [0, 100, 700, 2000], [3, 1, 4, 16], seed=8)
+
+    def last(t):  # the same values, stride 2 in the last dim
+        if t is None:
+            return None
+        buf = torch.zeros(*t.shape, 2, dtype=t.dtype, device=DEV)
+        buf[..., 0] = t
+        return buf[..., 0]
+
+    def pages(c):  # one layer of a (P, layers, page, H_kv, D) buffer
+        if c is None:
+            return None
+        big = torch.full((c.shape[0], 3, *c.shape[1:]), float("nan"), dtype=c.dtype, device=DEV)
+        big[:, 1] = c
+        return big[:, 1]
+
+    out, lse = attn(last(x.q), last(x.k), last(x.v), pages(x.k_cache), pages(x.v_cache), plan, return_lse=True)
+    _check(step, cfg, torch.bfloat16, out, lse, f"{name} {fmt} strided")
+
+
 def test_write_new_tokens_in_a_cuda_graph():
     """The per-layer store of the step's K: no host sync (capturable), any cache strides."""
     cfg = _config("mla", 16, 64)

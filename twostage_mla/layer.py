@@ -93,6 +93,10 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple, dtype: torch.dtype, 
         raise ValueError(f"expected {name} on {device}, got {t.device}")
 
 
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _spec(config: AttentionConfig, world_size: int, dtype: torch.dtype, device: torch.device) -> AttentionSpec:
     """What a layer of this config asks of a backend (the registry's input)."""
     return AttentionSpec(
@@ -446,6 +450,13 @@ class TwoStageAttention:
             _check("v", v, (t, hk, dv), self.dtype, self.device)
             _check("v_cache", v_cache, (k_cache.shape[0], cfg.page_size, hk, dv), self.dtype, self.device)
         _check_pages(plan, "k_cache.shape[0]", k_cache.shape[0])  # a page past the cache would be read out of bounds
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.stride(-1) != 1:  # any other stride is the engine's to choose
+                raise ValueError(f"expected {name} with stride 1 in its last dim, got strides {c.stride()}")
+        # Stock kernels read a head's values with stride 1: the step's q, k, v (small) are copied
+        # where they are not; the caches never are (checked above).
+        q, k = _unit_stride(q), _unit_stride(k)
+        v = k[..., :dv] if cfg.kv_format == "mla" else _unit_stride(v)
         if t == 0:  # every rank of the group has the step's T: all return here, none waits in a collective
             out = q.new_zeros((0, cfg.num_heads, dv))
             lse = torch.zeros((0, cfg.num_heads), dtype=torch.float32, device=self.device)
