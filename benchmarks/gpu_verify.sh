@@ -17,6 +17,8 @@
 #                                           # where there are two GPUs (and benchmarks/context_probe.py on the
 #                                           # second GPU meanwhile), twostage-mla check
 #   bash benchmarks/gpu_verify.sh bench     # one GPU: the whole bench grid alone (fused default and unfused)
+#   bash benchmarks/gpu_verify.sh layer     # what a change outside the kernels needs, in one call: the whole
+#                                           # one-GPU test file, twostage-mla check, then `main`
 #   bash benchmarks/gpu_verify.sh main      # two GPUs (one where there is one): the README's demo over NCCL (both
 #                                           # combines, I = 16), the torchrun example
 #   bash benchmarks/gpu_verify.sh model     # DeepSeek-V3 real dims over NCCL, float32, a chain and a tree
@@ -27,7 +29,7 @@
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
-part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|bench|tests|recheck|main|model|capture}
+part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|bench|tests|layer|recheck|main|model|capture}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export MAX_JOBS=16 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TQDM_MININTERVAL=30
@@ -151,6 +153,20 @@ elif [ "$part" = bench ]; then
   jit_wait
   stamp "bench: the issue's full grid, the default (fused) and the unfused path"
   timeout 400 python3 -m twostage_mla bench --unfused --out "$OUT/bench_grid.json" 2>&1 | tail -160
+elif [ "$part" = layer ]; then
+  jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
+  jit_wait
+  stamp "the whole one-GPU test file (log: gpu_tests.log)"
+  timeout 270 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" \
+    tests/test_backends_gpu.py --timeout 200 > "$OUT/gpu_tests.log" 2>&1
+  grep -v "^SKIPPED" "$OUT/gpu_tests.log" | grep -v "^  \|^$" | tail -30
+  stamp "check in the background, main meanwhile"
+  timeout 200 python3 -m twostage_mla check > "$OUT/check.log" 2>&1 &
+  chk=$!
+  bash "$0" main
+  wait "$chk"; echo "check rc=$?"; grep -v skipped "$OUT/check.log" | tail -16
+  stamp done
+  exit 0
 elif [ "$part" = main ]; then
   jit "mla bfloat16"
   jit_wait
