@@ -71,6 +71,11 @@ def _latch_rows(wrapper, qo_indptr) -> None:
                          f"number of rows set during initialization {wrapper._max_rows}.")  # fmt: skip
 
 
+def _unit_stride(*ts: torch.Tensor | None) -> None:
+    """The real kernels read a head's values with stride 1 (their checks refuse other strides)."""
+    assert all(t is None or t.stride(-1) == 1 for t in ts), [t.stride() for t in ts if t is not None]
+
+
 def _check_i32(**ts: torch.Tensor) -> None:
     for name, t in ts.items():
         if t.dtype != torch.int32:
@@ -139,6 +144,7 @@ def flash_attention_forward(
     num_splits=None,
 ):
     """aten._flash_attention_forward varlen: lse (H, T), +inf for rows with no keys, o = 0 there."""
+    _unit_stride(q, k, v)
     assert q.dim() == 3 and dropout_p == 0.0
     assert q.shape[-1] == v.shape[-1] <= 256
     _check_i32(cu_q=cu_q, cu_k=cu_k)
@@ -225,6 +231,7 @@ class _MLAWrapper:
         page_table=None,
         return_lse_base_on_e=False,
     ):
+        _unit_stride(q_nope, q_pe, ckv_cache, kpe_cache)
         assert self._planned, "run before plan"
         h, dckv, dkpe, ps, causal, scale, qdt = self._meta
         assert q_nope.shape[1:] == (h, dckv) and q_pe.shape[1:] == (h, dkpe) and q_nope.dtype == qdt
@@ -301,6 +308,7 @@ class _PagedPrefillWrapper:
 
     def run(self, q, paged_kv_cache, *args, out=None, lse=None, return_lse=False, **kw):
         k_cache, v_cache = paged_kv_cache
+        _unit_stride(q, k_cache, v_cache)
         h, hk, ps, causal, scale = self._meta
         assert q.shape[1] == h and k_cache.shape[1:3] == (ps, hk)
         qo, kp, ki, kl = (b.tolist() for b in self._bufs)
@@ -364,6 +372,7 @@ class _RaggedPrefillWrapper:
         self._meta = (num_qo_heads, num_kv_heads, causal, sm_scale)
 
     def run(self, q, k, v, *args, out=None, lse=None, return_lse=False, **kw):
+        _unit_stride(q, k, v)
         h, hk, causal, scale = self._meta
         assert q.shape[1] == h and k.shape[1] == hk
         qo, kp = (b.tolist() for b in self._bufs)
@@ -393,6 +402,7 @@ def fake_flashinfer() -> types.SimpleNamespace:
 
 
 def _fa_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, qv=None, block_table=None, inf_for_empty=True):
+    _unit_stride(q, k, v, qv)
     _check_i32(cu_q=cu_q, cu_k=cu_k)
     t, h = q.shape[:2]
     o = torch.zeros(t, h, v.shape[-1], dtype=torch.float64)
@@ -436,7 +446,8 @@ def fake_flash_attn_interface() -> types.ModuleType:
         return_softmax_lse=False,
         **kw,
     ):
-        assert k is None and v is None and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+        assert k is None and v is None
+        _unit_stride(q, k_cache, v_cache, qv)
         lens = cache_seqlens.tolist()
         cu_k = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
         o, lse = _fa_varlen(

@@ -221,7 +221,13 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
                      x.block_table)  # fmt: skip
     o, lse = attn(x.q[:0], x.k[:0], None, x.k_cache, None, none, return_lse=True)
     assert o.shape == (0, 2, 16) and lse.shape == (0, 2)
+    # A layer built on one rank while the other plans a step: both raise (not another collective's numbers).
+    if rank == 0:
+        expect(TwoStageAttention, cfg, layout, group=dist.group.WORLD, dtype=torch.float32)
+    else:
+        expect(attn.plan, x.query_start_loc, x.seq_lens, x.block_table)
     # the group still works: a good call after all the bad ones
+    plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
     out = attn(x.q, x.k, None, x.k_cache, None, plan)
     assert torch.isfinite(out).all()
     return messages
@@ -260,6 +266,8 @@ def test_bad_input_raises_before_any_collective(world):
             r"same layer on every rank of the DCP group",
             r"^no error$",
             r"combine in \('a2a', 'ag_rs'\), got 'ring'|accept this layer, got a refusal on rank\(s\) \[1\]",
+            r"build its layers and plan its steps in the same order, got ranks \[0\] vs \[1\] at different ones "
+            r"\(1 = a layer built, 2 = a step planned: \[1, 2\]\)",
         ]
         assert len(messages) == len(expected), messages
         for m, pattern in zip(messages, expected):

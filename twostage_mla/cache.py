@@ -42,11 +42,11 @@ def build_shard(
     if not isinstance(kv, torch.Tensor) or kv.dim() != 3 or kv.shape[0] != sum(sl):
         got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
         raise ValueError(f"expected kv: (S = seq_lens.sum() = {sum(sl)}, H_kv, D), got {got}")
-    if not isinstance(page_size, int) or page_size < 1 or page_size % layout.interleave:
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1 or page_size % layout.interleave:
         raise ValueError(
             f"expected page_size to be a positive multiple of interleave = {layout.interleave}, got {page_size!r}"
         )
-    if not isinstance(extra_pages, int) or extra_pages < 0:
+    if isinstance(extra_pages, bool) or not isinstance(extra_pages, int) or extra_pages < 0:
         raise ValueError(f"expected extra_pages >= 0, got {extra_pages!r}")
     n, r, i = layout.world_size, layout.rank, layout.interleave
     pages = [local_pages(s, n, i, r, page_size) for s in sl]

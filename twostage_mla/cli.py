@@ -51,12 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         from twostage_mla.check import HEADER, format_row, run_check
 
-        started = []
+        header = [HEADER]  # printed before the first row, then gone
 
         def show(row: dict) -> None:  # rows as they come: a GPU backend's first layer can take ~20 s
-            if not started:
-                started.append(print(HEADER, flush=True))
-            print(format_row(row), flush=True)
+            print(*header, format_row(row), sep="\n", flush=True)
+            header.clear()
 
         try:  # a bad option raises before any row, so no table starts
             rows = run_check(args.device, tuple(args.dtype), on_row=None if args.json else show)

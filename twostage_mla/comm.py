@@ -1,12 +1,13 @@
 """Cross-rank communication of the DCP group: gather queries, combine states.
 
 The process group is always passed in; N and this rank are the group's.
-Nothing is compared across ranks here (no communication beyond the
-collective itself): every rank passes the same T, heads and dtype, as the
-layer does once plan() agreed on the step. Head order on the wire is rank-major:
+The collectives compare nothing across ranks (no communication beyond
+themselves): every rank passes the same T, heads and dtype, as the layer does
+once plan() agreed on the step; ``agree`` is that agreement (a host sync, for
+setup and plans). Head order on the wire is rank-major:
 rank s's local heads are heads s*H .. s*H+H-1 of the gathered tensor, so a
-split over heads hands every rank back its own. Every function is free of
-host synchronisation (usable under CUDA graph capture).
+split over heads hands every rank back its own. Every function but ``agree``
+is free of host synchronisation (usable under CUDA graph capture).
 """
 
 from __future__ import annotations
@@ -24,19 +25,42 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def agree(row: list[int], group: dist.ProcessGroup, device: torch.device | None = None) -> list[list[int]]:
-    """Every rank's ``row`` of small ints, in one all-reduce (a host sync: for setup and plans only).
+AGREE_KINDS = ("layer", "step")  # what the ranks agree on: a layer when built, a step when planned
 
-    returns N rows, row r = rank r's. device: where the all-reduce runs (None: the CPU for gloo,
-    the current GPU for NCCL; for a rank that refused its setup and has no valid device of its own).
+
+def agree(kind: str, row: list[int], group: dist.ProcessGroup, device: torch.device | str | None) -> list[list[int]]:
+    """Every rank's ``row`` (up to 4 small ints) in one all-reduce; a host sync, for setup and plans only.
+
+    kind: one of AGREE_KINDS. Where ranks agree on different kinds (one builds a layer while another
+        plans a step), every rank raises rather than read another collective's numbers.
+    device: the layer's device, or what it was given (None, or anything, where its setup was
+        refused): the all-reduce runs on the CPU unless the group is NCCL's, then on that GPU
+        (the current one where it names none), the same rule on every rank.
+    returns N rows, row r = rank r's.
     """
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    rows = torch.zeros(n, len(row), dtype=torch.int64, device=device)
-    rows[r] = torch.tensor(row, dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):
+            dev = None
+        if dev is None or dev.type != "cuda" or dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    rows = torch.zeros(n, 5, dtype=torch.int64, device=dev)
+    rows[r, 0] = AGREE_KINDS.index(kind) + 1
+    rows[r, 1 : 1 + len(row)] = torch.tensor(row, dtype=torch.int64)
     dist.all_reduce(rows, group=group)
-    return rows.tolist()
+    out = rows.tolist()
+    kinds = {AGREE_KINDS[k - 1] for k, *_ in out}
+    if len(kinds) > 1:
+        raise ValueError(
+            "expected every rank of the DCP group to build its layers and plan its steps in the same order, got "
+            f"ranks {differing([[k] for k, *_ in out])} at different ones (1 = a layer built, 2 = a step planned: "
+            f"{[k for k, *_ in out]})"
+        )
+    return [row_[1 : 1 + len(row)] for row_ in out]
 
 
 def differing(rows: list[list[int]]) -> str:

@@ -184,19 +184,20 @@ class TwoStageAttention:
     ) -> None:
         if isinstance(layout, DCPLayout) and layout.world_size > 1 and group is None:
             raise ValueError(f"expected a process group of size {layout.world_size}, got group=None")
-        # With a group, the ranks agree on the layer here (one small all-reduce, once per layer):
-        # where one rank refuses its setup every rank raises, rather than wait in a later
-        # collective for it, and layers that differ across ranks (a combine that would hang,
-        # a scale that would be wrong) are refused on every rank.
+        # With a group of more than one rank, the ranks agree on the layer here (one small
+        # all-reduce, once per layer): where one rank refuses its setup every rank raises, rather
+        # than wait in a later collective for it, and layers that differ across ranks (a combine
+        # that would hang, a scale that would be wrong) are refused on every rank.
+        agreeing = group is not None and dist.get_world_size(group) > 1
         try:
             self._setup(config, layout, group, combine, backend, dtype, device, fuse_query,
                         CaptureLimits(max_batch_size, max_tokens, max_pages, max_q_len))  # fmt: skip
         except Exception:
-            if group is not None:
-                comm.agree([1, 0], group)
+            if agreeing:
+                comm.agree("layer", [1, 0], group, device)
             raise
-        if group is not None:
-            rows = comm.agree([0, self._digest], group, self.device)
+        if agreeing:
+            rows = comm.agree("layer", [0, self._digest], group, self.device)
             refused = [r for r, row in enumerate(rows) if row[0]]
             if refused:
                 raise ValueError(
@@ -309,7 +310,7 @@ class TwoStageAttention:
             row = [1, 0, 0, 0]
         else:
             row = [0, plan.num_tokens, plan.batch_size, _digest(plan.query_start_loc, plan.seq_lens, parents)]
-        rows = comm.agree(row, self.group, self.device)
+        rows = comm.agree("step", row, self.group, self.device)
         refused = [r for r, row in enumerate(rows) if row[0]]
         if not refused and len({tuple(row) for row in rows}) == 1:
             return
