@@ -539,6 +539,23 @@ def _nccl_worker(rank: int, world: int, init: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def test_agree_over_nccl_on_one_gpu():
+    """The agreement's all-reduce on an NCCL group: the layer's GPU, or the current one where the device
+    given names none or is not valid (a rank whose setup was refused)."""
+    import torch.distributed as dist
+
+    from twostage_mla import comm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            for device in (DEV, "cuda", None, "not a device", torch.device("cpu")):
+                assert comm.agree("step", [1, -2, 3], dist.group.WORLD, device) == [[1, -2, 3]], device
+            assert comm.agree("layer", [0, 2**62], dist.group.WORLD, DEV) == [[0, 2**62]]
+        finally:
+            dist.destroy_process_group()
+
+
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_gpus_nccl_layer_matches_oracle():
