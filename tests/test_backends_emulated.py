@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests import _emulated_kernels as emu
+from tests._views import strided_last, strided_pages
 from twostage_mla import synthetic
 from twostage_mla.backends import flashinfer as fi_backend
 from twostage_mla.backends import select_backend, torch_efficient, torch_flash
@@ -99,24 +100,6 @@ def test_layer_matches_oracle(emulated, name, mla, page_size, tree):
     assert torch.allclose(lse.double(), ref_lse, atol=1e-5)
 
 
-def _strided_last(x: torch.Tensor | None) -> torch.Tensor | None:
-    """The same values with stride 2 in the last dim (a view of another layout)."""
-    if x is None:
-        return None
-    buf = torch.zeros(*x.shape, 2, dtype=x.dtype)
-    buf[..., 0] = x
-    return buf[..., 0]
-
-
-def _strided_pages(c: torch.Tensor | None) -> torch.Tensor | None:
-    """The same cache as one layer of a (P, layers, page, H_kv, D) buffer: strided in pages."""
-    if c is None:
-        return None
-    big = torch.full((c.shape[0], 3, *c.shape[1:]), float("nan"), dtype=c.dtype)
-    big[:, 1] = c
-    return big[:, 1]
-
-
 @pytest.mark.parametrize("name,mla", [(n, *c[:1]) for n in FAST for c in _cases(n)[:3:2]], ids=lambda x: str(x))
 def test_strided_inputs(emulated, name, mla):
     """q, k, v as views with stride 2 in the head dim, caches strided in pages: what kernels read is copied
@@ -127,13 +110,13 @@ def test_strided_inputs(emulated, name, mla):
     x = synthetic.rank_inputs(step, DCPLayout(), cfg.page_size, mla=mla, dtype=torch.float32, device="cpu")
     attn = _layer(name, cfg, DCPLayout())
     plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
-    q, k, v = _strided_last(x.q), _strided_last(x.k), _strided_last(x.v)
+    q, k, v = strided_last(x.q), strided_last(x.k), strided_last(x.v)
     assert q.stride(-1) == 2 and torch.equal(q, x.q)
-    out = attn(q, k, v, _strided_pages(x.k_cache), _strided_pages(x.v_cache), plan)
+    out = attn(q, k, v, strided_pages(x.k_cache), strided_pages(x.v_cache), plan)
     ref_o, _ = synthetic.oracle(step, cfg.scale)
     assert torch.allclose(out.double(), ref_o, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"expected k_cache with stride 1 in its last dim, got strides \("):
-        attn(x.q, x.k, x.v, _strided_last(x.k_cache), x.v_cache, plan)
+        attn(x.q, x.k, x.v, strided_last(x.k_cache), x.v_cache, plan)
 
 
 @pytest.mark.parametrize(

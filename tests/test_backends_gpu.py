@@ -21,6 +21,7 @@ import tempfile
 import pytest
 import torch
 
+from tests._views import strided_last, strided_pages
 from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention, synthetic
 from twostage_mla.backends import AttentionSpec, backend_names, refusals, select_backend
 
@@ -379,22 +380,8 @@ def test_strided_inputs_on_cuda(name, fmt):
     if name not in _serving(cfg, torch.bfloat16):
         pytest.skip(f"{name} does not serve {fmt} here")
     step, x, attn, plan = _run(name, cfg, torch.bfloat16, [0, 100, 700, 2000], [3, 1, 4, 16], seed=8)
-
-    def last(t):  # the same values, stride 2 in the last dim
-        if t is None:
-            return None
-        buf = torch.zeros(*t.shape, 2, dtype=t.dtype, device=DEV)
-        buf[..., 0] = t
-        return buf[..., 0]
-
-    def pages(c):  # one layer of a (P, layers, page, H_kv, D) buffer
-        if c is None:
-            return None
-        big = torch.full((c.shape[0], 3, *c.shape[1:]), float("nan"), dtype=c.dtype, device=DEV)
-        big[:, 1] = c
-        return big[:, 1]
-
-    out, lse = attn(last(x.q), last(x.k), last(x.v), pages(x.k_cache), pages(x.v_cache), plan, return_lse=True)
+    q, k, v = (strided_last(t) for t in (x.q, x.k, x.v))
+    out, lse = attn(q, k, v, strided_pages(x.k_cache), strided_pages(x.v_cache), plan, return_lse=True)
     _check(step, cfg, torch.bfloat16, out, lse, f"{name} {fmt} strided")
 
 
