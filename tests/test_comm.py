@@ -102,3 +102,31 @@ def test_states_not_matching_the_group_are_refused_before_the_collective():
         assert len(messages) == 4
         for m in messages:
             assert m.startswith("expected o: (N = 2, T, H, Dv) and lse: (N, T, H) = o.shape[:3], got o ("), m
+
+
+def _agreements(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    big = [2**63 - 1, -(2**63), -(2**63) + rank, rank]  # 64-bit digests survive the all-reduce
+    out = {"rows4": comm.agree("step", big, dist.group.WORLD, None), "rows2": comm.agree("layer", [rank, 7],
+           dist.group.WORLD, "cpu")}  # fmt: skip
+    try:  # rank 0 builds a layer while the others plan a step
+        comm.agree("layer" if rank == 0 else "step", [1, 2], dist.group.WORLD, None)
+        out["mismatch"] = "no error"
+    except ValueError as e:
+        out["mismatch"] = str(e)
+    out["after"] = comm.agree("step", [rank], dist.group.WORLD, None)  # the group is still in step
+    return out
+
+
+def test_agree_gathers_every_rank_row_and_refuses_other_kinds():
+    for rank, res in enumerate(run_ranks(3, _agreements)):
+        assert res["rows4"] == [[2**63 - 1, -(2**63), -(2**63) + r, r] for r in range(3)]
+        assert res["rows2"] == [[r, 7] for r in range(3)]
+        assert res["mismatch"] == (
+            "expected every rank of the DCP group to build its layers and plan its steps in the same order, got "
+            "ranks [0] vs [1, 2] at different ones (1 = a layer built, 2 = a step planned: [1, 2, 2])"
+        ), rank
+        assert res["after"] == [[0], [1], [2]]
+    with pytest.raises(ValueError, match="expected kind in \\('layer', 'step'\\) and a row of up to 4 ints"):
+        comm.agree("plan", [1], None, None)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_helpers import run_ranks
-from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention, synthetic
+from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention, comm, synthetic
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -272,6 +272,22 @@ def test_bad_input_raises_before_any_collective(world):
         assert len(messages) == len(expected), messages
         for m, pattern in zip(messages, expected):
             assert re.search(pattern, m), (pattern, m)
+
+
+def _one_rank_group(rank: int, world: int) -> int:
+    calls = []
+    real = comm.agree
+    comm.agree = lambda *a, **k: calls.append(a) or real(*a, **k)
+    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    step = synthetic.make_step([5], [2], heads=2, head_dim=24, head_dim_v=16)
+    x = synthetic.rank_inputs(step, DCPLayout(), 4, mla=True, dtype=torch.float32, device="cpu")
+    attn = TwoStageAttention(cfg, DCPLayout(), group=dist.group.WORLD, dtype=torch.float32)
+    attn(x.q, x.k, None, x.k_cache, None, attn.plan(x.query_start_loc, x.seq_lens, x.block_table))
+    return len(calls)
+
+
+def test_a_group_of_one_rank_agrees_on_nothing():
+    assert run_ranks(1, _one_rank_group) == [0]  # no all-reduce: nothing to agree with
 
 
 def test_config_errors():

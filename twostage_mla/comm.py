@@ -29,25 +29,29 @@ AGREE_KINDS = ("layer", "step")  # what the ranks agree on: a layer when built, 
 
 
 def agree(kind: str, row: list[int], group: dist.ProcessGroup, device: torch.device | str | None) -> list[list[int]]:
-    """Every rank's ``row`` (up to 4 small ints) in one all-reduce; a host sync, for setup and plans only.
+    """Every rank's ``row`` (up to 4 int64s) in one all-reduce; a host sync, for setup and plans only.
 
     kind: one of AGREE_KINDS. Where ranks agree on different kinds (one builds a layer while another
         plans a step), every rank raises rather than read another collective's numbers.
     device: the layer's device, or what it was given (None, or anything, where its setup was
-        refused): the all-reduce runs on the CPU unless the group is NCCL's, then on that GPU
-        (the current one where it names none), the same rule on every rank.
+        refused): the all-reduce runs on the CPU unless the group is NCCL's, then on the GPU the
+        group is bound to, else on that device where it names a GPU of this machine, else on the
+        current one: the same rule on every rank, and one that cannot fail on a refusing rank.
     returns N rows, row r = rank r's.
     """
+    if kind not in AGREE_KINDS or len(row) > 4:
+        raise ValueError(f"expected kind in {AGREE_KINDS} and a row of up to 4 ints, got {kind!r}, {row!r}")
     n, r = dist.get_world_size(group), dist.get_rank(group)
+    dev = torch.device("cpu")
     if dist.get_backend(group) == "nccl":
-        try:
-            dev = torch.device(device)
-        except (RuntimeError, TypeError):
-            dev = None
-        if dev is None or dev.type != "cuda" or dev.index is None:
+        dev = getattr(group, "bound_device_id", None)
+        if dev is None:
+            try:
+                dev = torch.device(device)
+            except (RuntimeError, TypeError):
+                dev = None
+        if dev is None or dev.type != "cuda" or dev.index is None or dev.index >= torch.cuda.device_count():
             dev = torch.device("cuda", torch.cuda.current_device())
-    else:
-        dev = torch.device("cpu")
     rows = torch.zeros(n, 5, dtype=torch.int64, device=dev)
     rows[r, 0] = AGREE_KINDS.index(kind) + 1
     rows[r, 1 : 1 + len(row)] = torch.tensor(row, dtype=torch.int64)
