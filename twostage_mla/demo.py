@@ -52,6 +52,20 @@ class DemoArgs:
     seed: int = _opt(0, "seed of the random step")
 
 
+def _host_bytes_needed(a: DemoArgs) -> int:
+    """Roughly what the workers hold at once on the host: each builds the whole step's K/V (with its
+    shard and a copy), and the float64 oracle of its heads for the longest request."""
+    d, n = a.kv_lora_rank + a.rope_dim, a.max_context + a.max_q_len
+    return a.world_size * (3 * a.batch * n * d * 4 + n * (a.heads // a.world_size) * (d + a.kv_lora_rank) * 8)
+
+
+def _host_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not on every platform: then no limit
+        return 2**63
+
+
 def resolve_device(world_size: int, device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
@@ -186,6 +200,13 @@ def run_demo(args: DemoArgs) -> dict:
         raise ValueError(f"expected 0 <= min_context <= max_context, got {args.min_context}, {args.max_context}")
     if args.combine not in COMBINE_METHODS:
         raise ValueError(f"expected combine in {COMBINE_METHODS}, got {args.combine!r}")
+    need, have = _host_bytes_needed(args), _host_bytes()
+    if need > have:
+        raise ValueError(
+            f"expected batch x max_context to fit this machine's memory: the workers' synthetic K/V and float64 "
+            f"oracle need about {need / 2**30:.0f} GiB, {have / 2**30:.0f} GiB here (got batch {args.batch}, "
+            f"max_context {args.max_context})"
+        )
     device = resolve_device(args.world_size, args.device)
     names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # the short names check takes too
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
