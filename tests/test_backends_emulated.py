@@ -301,6 +301,22 @@ def test_auto_and_forced_selection_on_cpu():
         select_backend(spec, "torch_flash")
 
 
+def test_a_release_older_than_the_backend_was_written_for_is_refused(monkeypatch):
+    import importlib.metadata
+    import importlib.util
+
+    spec = AttentionSpec("gqa", 8, 2, 128, 128, 256, 1, 0.1, torch.bfloat16, torch.device("cpu"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # every package "installed"
+    versions = {"flashinfer-python": "0.4.0rc2", "flash-attn": "2.6.0.post1"}
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: versions[dist])
+    assert FlashInferBackend.environment_problems(spec) == [
+        "flashinfer-python 0.4.0rc2 is older than 0.5.3, the oldest release it was written for"
+    ]
+    assert FlashAttn2Backend.environment_problems(spec) == []  # 2.6.0.post1 >= 2.6
+    versions["flashinfer-python"] = "0.10.1"  # compared as numbers, not as text
+    assert FlashInferBackend.environment_problems(spec) == []
+
+
 def test_fa3_declares_only_the_head_dims_its_kernel_takes():
     # FA3's mha_fwd takes a V head dim other than K's only in two ranges: others are refused at selection.
     def spec(d, dv):

@@ -12,7 +12,9 @@ dtype, lse (T, H) float32 natural log, (0, -inf) for rows with no keys.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -109,6 +111,11 @@ class AttentionSpec:
         )
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """'0.5.3' -> (0, 5, 3); '2.6.0.post1' -> (2, 6, 0): the leading numbers, enough to order releases."""
+    return tuple(int(m.group()) for m in (re.match(r"\d+", p) for p in version.split(".")[:3]) if m)
+
+
 def gpu_capability(spec: AttentionSpec) -> tuple[int, int] | None:
     """The compute capability of spec's GPU; None off CUDA or where no GPU can be asked."""
     if spec.device.type == "cuda" and torch.cuda.is_available():
@@ -127,6 +134,8 @@ class AttentionBackend:
     head_dims: ClassVar[tuple[tuple[int, int], ...] | None] = None  # allowed (D, Dv) pairs
     page_size_multiple: ClassVar[int] = 1
     packages: ClassVar[tuple[str, ...]] = ()  # import names that must be installed
+    # (distribution, version): the oldest release the backend's calls were written and run against
+    min_version: ClassVar[tuple[str, str] | None] = None
     min_compute_capability: ClassVar[tuple[int, int] | None] = None
     # Keeps its per-step metadata in fixed buffers sized by CaptureLimits, so a
     # CUDA graph captured once replays correctly after later plans.
@@ -136,6 +145,14 @@ class AttentionBackend:
     def environment_problems(cls, spec: AttentionSpec) -> list[str]:
         """Package missing, GPU too old: listed first when a backend is refused."""
         out = [f"package {p!r} is not installed" for p in cls.packages if importlib.util.find_spec(p) is None]
+        if cls.min_version and not out:
+            dist, want = cls.min_version
+            try:
+                have = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:  # built from source without metadata: trust it
+                have = want
+            if _release(have) < _release(want):
+                out.append(f"{dist} {have} is older than {want}, the oldest release it was written for")
         cc, have = cls.min_compute_capability, gpu_capability(spec)
         if cc and have and have < cc:
             out.append(f"needs compute capability >= {cc}, the GPU has {have}")

@@ -154,6 +154,7 @@ class FlashAttn2Backend(_FlashAttnBase):
     name = "flash_attn2"
     module = "flash_attn"
     packages = ("flash_attn",)
+    min_version = ("flash-attn", "2.6")  # the extra's floor; never run here (no wheel)
     kv_formats = ("gqa",)
     max_head_dim = 256
     page_size_multiple = 256  # FA2's paged KV rule

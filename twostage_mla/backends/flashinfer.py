@@ -98,6 +98,7 @@ class FlashInferBackend(AttentionBackend):
     dtypes = (torch.float16, torch.bfloat16)
     kv_formats = ("mla", "gqa")
     packages = ("flashinfer",)
+    min_version = ("flashinfer-python", "0.5.3")  # the release this backend ran with on H200s
     min_compute_capability = (8, 0)
     replays_across_steps = True
 
