@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
-from twostage_mla.state import MergeFn, lse_weights, merge_states
+from twostage_mla.state import lse_weights, merge_states
 
 COMBINE_METHODS = ("a2a", "ag_rs")
 
@@ -131,8 +131,6 @@ def combine_a2a(
     o: torch.Tensor,
     lse: torch.Tensor,
     group: dist.ProcessGroup,
-    *,
-    merge: MergeFn = merge_states,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One all-to-all of (o, lse) by head slice, then a local merge of N states.
 
@@ -140,7 +138,7 @@ def combine_a2a(
     returns o (T, H, Dv) float32, lse (T, H) float32 over all ranks' shards.
     (The layer calls exchange_a2a itself and fuses the merge with the query pass.)
     """
-    return merge(*exchange_a2a(o, lse, group), out_dtype=torch.float32)
+    return merge_states(*exchange_a2a(o, lse, group), out_dtype=torch.float32)
 
 
 def combine_ag_rs(

@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from twostage_mla import synthetic
 from twostage_mla.backends import select_backend
+from twostage_mla.check import DTYPES
 from twostage_mla.comm import COMBINE_METHODS
 from twostage_mla.layer import PHASES, AttentionConfig, TwoStageAttention, _spec
 from twostage_mla.layout import DCPLayout
@@ -208,10 +209,9 @@ def run_demo(args: DemoArgs) -> dict:
             f"max_context {args.max_context})"
         )
     device = resolve_device(args.world_size, args.device)
-    names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # the short names check takes too
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    dtype = names.get(dtype, dtype)
-    if dtype not in names.values():
+    dtype = str(DTYPES[dtype]).removeprefix("torch.") if dtype in DTYPES else dtype  # check's names, short too
+    if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"expected dtype auto, float32, bfloat16, float16 (or fp32, bf16, fp16), got {dtype!r}")
     args = DemoArgs(**{**asdict(args), "dtype": dtype, "device": device})
     # The registry's own check, here before processes start: an unknown name, or a backend that

@@ -197,7 +197,7 @@ class TwoStageAttention:
                 comm.agree("layer", [1, 0], group, device)
             raise
         if agreeing:
-            rows = comm.agree("layer", [0, self._digest], group, self.device)
+            rows = comm.agree("layer", [0, self._layer_digest], group, self.device)
             refused = [r for r, row in enumerate(rows) if row[0]]
             if refused:
                 raise ValueError(
@@ -257,7 +257,7 @@ class TwoStageAttention:
         # What every rank's layer must share, agreed in __init__ (the backend may differ: same maths).
         # By value, not repr: scale=1 and scale=1.0 (or a numpy float) are the same layer.
         layer = [float(v).hex() if f.name == "scale" else v for f in fields(config) for v in [getattr(config, f.name)]]
-        self._digest = _digest(*layer, layout.world_size, layout.interleave, combine, dtype)
+        self._layer_digest = _digest(*layer, layout.world_size, layout.interleave, combine, dtype)
 
     @property
     def _made_for(self) -> tuple[bool, CaptureLimits]:
@@ -446,7 +446,7 @@ class TwoStageAttention:
         if cfg.kv_format == "mla":
             if v is not None or v_cache is not None:
                 raise ValueError("expected v=None and v_cache=None for MLA (V is the first head_dim_v values of K)")
-            v, v_cache = k[..., :dv], k_cache[..., :dv]
+            v_cache = k_cache[..., :dv]  # v is taken from k below, after its stride is checked
         else:
             _check("v", v, (t, hk, dv), self.dtype, self.device)
             _check("v_cache", v_cache, (k_cache.shape[0], cfg.page_size, hk, dv), self.dtype, self.device)

@@ -1,7 +1,8 @@
 """Per-step metadata: built once per decode step, shared by every layer.
 
-All host synchronisation of a step happens here (reading lengths to check them
-and to size buffers), so the per-layer call never has to.
+All host synchronisation of a step happens at plan time (here, reading lengths
+to check them and to size buffers; in the backend's plan; and with N > 1 in the
+ranks' agreement), so the per-layer call never has to.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class StepPlan:
 
     def new_token_slots(self) -> torch.Tensor:
         """(T,) int64: flat slot of each new token in this rank's cache, -1 if not here."""
-        return _new_token_slots(self)
+        positions = self.context_lens.long()[self.token_request] + self.token_offset
+        return kv_slots(positions, self.token_request, self.block_table, self.page_size, self.layout, check=False)
 
     def write_new_tokens(self, cache: torch.Tensor, new: torch.Tensor) -> None:
         """Store the step's fresh K (or V) of the tokens this rank owns into its shard.
@@ -99,11 +101,6 @@ def _check_pages(plan: StepPlan, name: str, pages: int) -> None:
             f"expected block_table page ids < {name} = {pages} (pages of this rank's cache), "
             f"got page id {plan.max_page_id}"
         )
-
-
-def _new_token_slots(plan: StepPlan) -> torch.Tensor:
-    positions = plan.context_lens.long()[plan.token_request] + plan.token_offset
-    return kv_slots(positions, plan.token_request, plan.block_table, plan.page_size, plan.layout, check=False)
 
 
 def _int_tensor(name: str, x: Any, dim: int) -> torch.Tensor:
@@ -270,6 +267,6 @@ def plan_step(
         query_mask=query_mask,
         max_page_id=max_page_id,
     )
-    slots = _new_token_slots(plan)
+    slots = plan.new_token_slots()
     rows = (slots >= 0).nonzero().flatten()  # a host sync, once per step
     return replace(plan, write_rows=rows, write_slots=slots[rows])

@@ -1,8 +1,10 @@
 """Plan-time helpers shared by the fast backends: page lists, gather indices, empty rows.
 
-Everything here runs inside ``backend.plan`` (once per step, host sync allowed)
-and returns device tensors that the per-layer calls only read. Worked example,
-page_size 4, two requests with local context lengths 6 and 0, then 3::
+Most run inside ``backend.plan`` (once per step, host sync allowed) and return
+device tensors that the per-layer calls only read; read_slots, mask_empty_rows,
+empty_state and lse_heads_major run per layer, without host sync (capturable).
+Worked example, page_size 4, three requests with local context lengths 6, 0
+and 3::
 
     block_table = [[7, 2, 9], [5, 0, 0], [3, 1, 0]]    local_context_lens = [6, 0, 3]
     pages used  = [2, 0, 1]                             page_indptr = [0, 2, 2, 3]

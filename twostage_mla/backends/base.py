@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from twostage_mla.backends._dense import dense_query
 from twostage_mla.plan import StepPlan
 
 State = tuple[torch.Tensor, torch.Tensor]
@@ -234,8 +235,6 @@ class AttentionBackend:
         the rest goes to :meth:`_query`, the backend's causal kernel.
         """
         if q.shape[0] == 0 or plan.query_mask is not None:
-            from twostage_mla.backends.reference import dense_query  # reference.py imports this module
-
             return dense_query(q, k, v, plan, self.spec.scale)
         return self._query(q, k, v, plan)
 
