@@ -17,8 +17,8 @@ import torch
 from tests import _emulated_kernels as emu
 from tests._views import strided_last, strided_pages
 from twostage_mla import synthetic
+from twostage_mla.backends import base, select_backend, torch_efficient, torch_flash
 from twostage_mla.backends import flashinfer as fi_backend
-from twostage_mla.backends import select_backend, torch_efficient, torch_flash
 from twostage_mla.backends.base import AttentionSpec, CaptureLimits
 from twostage_mla.backends.flash_attn import FlashAttn2Backend, FlashAttn3Backend
 from twostage_mla.backends.flashinfer import FlashInferBackend
@@ -309,12 +309,18 @@ def test_a_release_older_than_the_backend_was_written_for_is_refused(monkeypatch
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # every package "installed"
     versions = {"flashinfer-python": "0.4.0rc2", "flash-attn": "2.6.0.post1"}
     monkeypatch.setattr(importlib.metadata, "version", lambda dist: versions[dist])
-    assert FlashInferBackend.environment_problems(spec) == [
-        "flashinfer-python 0.4.0rc2 is older than 0.5.3, the oldest release it was written for"
-    ]
-    assert FlashAttn2Backend.environment_problems(spec) == []  # 2.6.0.post1 >= 2.6
-    versions["flashinfer-python"] = "0.10.1"  # compared as numbers, not as text
-    assert FlashInferBackend.environment_problems(spec) == []
+    read_once = base._installed_version  # cached per process: cleared around the made-up versions
+    read_once.cache_clear()
+    try:
+        assert FlashInferBackend.environment_problems(spec) == [
+            "flashinfer-python 0.4.0rc2 is older than 0.5.3, the oldest release it was written for"
+        ]
+        assert FlashAttn2Backend.environment_problems(spec) == []  # 2.6.0.post1 >= 2.6
+        read_once.cache_clear()
+        versions["flashinfer-python"] = "0.10.1"  # compared as numbers, not as text
+        assert FlashInferBackend.environment_problems(spec) == []
+    finally:
+        read_once.cache_clear()
 
 
 def test_fa3_declares_only_the_head_dims_its_kernel_takes():

@@ -96,6 +96,8 @@ def test_bad_types():
         plan_step(torch.tensor([0, 1]), torch.tensor([2]), torch.zeros(1, 1, **I32), page_size=4, layout=(1, 0, 1))
     with pytest.raises(ValueError, match="seq_lens to be a 1-D integer tensor, got torch.bool"):
         plan_step(torch.tensor([0, 1]), torch.tensor([True]), torch.zeros(1, 1, **I32), page_size=4, layout=DCPLayout())
+    with pytest.raises(ValueError, match="page_size to be a positive multiple of interleave = 1, got True"):
+        plan_step(torch.tensor([0, 1]), torch.tensor([2]), torch.zeros(1, 2, **I32), page_size=True, layout=DCPLayout())
 
 
 def test_plan_keeps_copies_of_the_metadata():

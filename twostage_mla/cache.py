@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from twostage_mla.layout import DCPLayout, kv_slots, local_pages
-from twostage_mla.plan import _int_tensor
+from twostage_mla.plan import _check_page_size, _int_tensor
 
 
 def build_shard(
@@ -42,10 +42,7 @@ def build_shard(
     if not isinstance(kv, torch.Tensor) or kv.dim() != 3 or kv.shape[0] != sum(sl):
         got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
         raise ValueError(f"expected kv: (S = seq_lens.sum() = {sum(sl)}, H_kv, D), got {got}")
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1 or page_size % layout.interleave:
-        raise ValueError(
-            f"expected page_size to be a positive multiple of interleave = {layout.interleave}, got {page_size!r}"
-        )
+    _check_page_size(page_size, layout)
     if isinstance(extra_pages, bool) or not isinstance(extra_pages, int) or extra_pages < 0:
         raise ValueError(f"expected extra_pages >= 0, got {extra_pages!r}")
     n, r, i = layout.world_size, layout.rank, layout.interleave

@@ -210,9 +210,9 @@ def run_demo(args: DemoArgs) -> dict:
         )
     device = resolve_device(args.world_size, args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    dtype = str(DTYPES[dtype]).removeprefix("torch.") if dtype in DTYPES else dtype  # check's names, short too
-    if dtype not in ("float32", "bfloat16", "float16"):
+    if dtype not in DTYPES:  # check's names, the short ones too
         raise ValueError(f"expected dtype auto, float32, bfloat16, float16 (or fp32, bf16, fp16), got {dtype!r}")
+    dtype = str(DTYPES[dtype]).removeprefix("torch.")
     args = DemoArgs(**{**asdict(args), "dtype": dtype, "device": device})
     # The registry's own check, here before processes start: an unknown name, or a backend that
     # cannot serve the workers' layer (with its reasons).

@@ -111,6 +111,14 @@ def _int_tensor(name: str, x: Any, dim: int) -> torch.Tensor:
     return x
 
 
+def _check_page_size(page_size: Any, layout: DCPLayout) -> None:
+    """Raise unless page_size is a positive int and a multiple of the layout's interleave."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1 or page_size % layout.interleave:
+        raise ValueError(
+            f"expected page_size to be a positive multiple of interleave = {layout.interleave}, got {page_size!r}"
+        )
+
+
 def _step_lengths(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
     """Check a step's lengths (integer tensors, (B+1,) and (B,)); returns them as host lists and q_lens."""
     if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
@@ -196,10 +204,7 @@ def plan_step(
     qsl_t = _int_tensor("query_start_loc", query_start_loc, 1)
     sl_t = _int_tensor("seq_lens", seq_lens, 1)
     bt = _int_tensor("block_table", block_table, 2)
-    if not isinstance(page_size, int) or page_size < 1 or page_size % layout.interleave:
-        raise ValueError(
-            f"expected page_size to be a positive multiple of interleave = {layout.interleave}, got {page_size!r}"
-        )
+    _check_page_size(page_size, layout)
     qsl, sl, q_lens = _step_lengths(qsl_t, sl_t)
     b = len(sl)
     if bt.shape[0] != b:

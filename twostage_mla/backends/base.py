@@ -12,6 +12,7 @@ dtype, lse (T, H) float32 natural log, (0, -inf) for rows with no keys.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import re
@@ -112,6 +113,15 @@ class AttentionSpec:
         )
 
 
+@functools.cache
+def _installed_version(dist: str) -> str | None:
+    """The installed release of a distribution, None without metadata; read once (every layer built asks)."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _release(version: str) -> tuple[int, ...]:
     """'0.5.3' -> (0, 5, 3); '2.6.0.post1' -> (2, 6, 0): the leading numbers, enough to order releases."""
     return tuple(int(m.group()) for m in (re.match(r"\d+", p) for p in version.split(".")[:3]) if m)
@@ -148,10 +158,7 @@ class AttentionBackend:
         out = [f"package {p!r} is not installed" for p in cls.packages if importlib.util.find_spec(p) is None]
         if cls.min_version and not out:
             dist, want = cls.min_version
-            try:
-                have = importlib.metadata.version(dist)
-            except importlib.metadata.PackageNotFoundError:  # built from source without metadata: trust it
-                have = want
+            have = _installed_version(dist) or want  # built from source without metadata: trusted
             if _release(have) < _release(want):
                 out.append(f"{dist} {have} is older than {want}, the oldest release it was written for")
         cc, have = cls.min_compute_capability, gpu_capability(spec)
