@@ -16,6 +16,7 @@ import torch
 
 from tests import _emulated_kernels as emu
 from tests._views import strided_last, strided_pages
+from tests.dist_helpers import run_ranks
 from twostage_mla import synthetic
 from twostage_mla.backends import base, select_backend, torch_efficient, torch_flash
 from twostage_mla.backends import flashinfer as fi_backend
@@ -190,6 +191,61 @@ def test_flashinfer_stale_plan_and_capture_limits(emulated):
     out = ok(x.q, x.k, None, x.k_cache, None, plan)
     ref_o, _ = synthetic.oracle(step, cfg.scale)
     assert torch.allclose(out.double(), ref_o, atol=1e-5)
+
+
+def _stale_plan_on_two_ranks(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+
+    from twostage_mla import comm
+
+    fi_backend._flashinfer = lambda: emu.fake_flashinfer()  # this worker process only
+    gathers = []
+    gather = comm.gather_queries
+    comm.gather_queries = lambda q, group: gathers.append(1) or gather(q, group)
+    layout, cfg = DCPLayout(world, rank, 1), _config(True, 16)
+    step = synthetic.make_step([10, 30], [2, 2], heads=4 * world, head_dim=80, head_dim_v=64, seed=1)
+    x = synthetic.rank_inputs(step, layout, 16, mla=True, dtype=torch.float32, device="cpu")
+    said = []
+    for fuse in (False, True):
+        attn = TwoStageAttention(cfg, layout, group=dist.group.WORLD, backend="reference", dtype=torch.float32)
+        attn.backend = FlashInferBackend(attn.spec, None)
+        if fuse:
+            _fused(attn)
+        old = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+        attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+        try:
+            attn(x.q, x.k, None, x.k_cache, None, old)
+        except ValueError as e:
+            said.append(f"{len(gathers)} gathers: {e}")
+    return said
+
+
+def test_a_stale_flashinfer_plan_is_refused_before_any_collective():
+    # The ranks would otherwise sit in the query all-gather, which the refusing rank never waits on.
+    pytest.importorskip("triton")
+    for said in run_ranks(2, _stale_plan_on_two_ranks):
+        assert len(said) == 2 and all(m.startswith("0 gathers: expected the latest plan") for m in said), said
+
+
+@pytest.mark.parametrize("name", list(FAST))
+def test_a_step_with_no_context(emulated, name):
+    # A first prefill chunk: every request's keys are the step's own, no kernel over an empty cache
+    # (FlashInfer plans none), and under capture limits FlashInfer's kernel runs and its rows are masked.
+    for mla, page_size, _ in _cases(name)[::2]:
+        cfg = _config(mla, page_size)
+        step = synthetic.make_step([0, 0, 0], [3, 1, 5], heads=4, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
+                                   kv_heads=cfg.num_kv_heads, mla=mla, seed=7)  # fmt: skip
+        x = synthetic.rank_inputs(step, DCPLayout(), page_size, mla=mla, dtype=torch.float32, device="cpu")
+        limits = [None, CaptureLimits(4, 16, 8)] if name == "flashinfer" else [None]
+        for lim in limits:
+            attn = _layer(name, cfg, DCPLayout(), lim)
+            plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+            if name == "flashinfer":
+                assert plan.backend_state.context == (lim is not None)
+            out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
+            ref_o, ref_lse = synthetic.oracle(step, cfg.scale)
+            assert torch.allclose(out.double(), ref_o, atol=1e-5), (mla, lim)
+            assert torch.allclose(lse.double(), ref_lse, atol=1e-5), (mla, lim)
 
 
 def _fused(attn):

@@ -186,6 +186,19 @@ def test_empty_context_rows_are_the_empty_state(name, fmt):
     assert torch.isfinite(lse[3:5]).all()
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["backend-query", "fused-query"])
+@pytest.mark.parametrize("name", [n for n in backend_names()])
+@pytest.mark.parametrize("fmt", ["mla", "gqa"])
+def test_a_step_with_no_context(name, fmt, fuse):
+    """A first prefill chunk: no request has context on this rank (eager: FlashInfer runs no context kernel)."""
+    cfg = _config(fmt, 16 if fmt == "mla" else 8, 64)
+    if name not in _serving(cfg, torch.bfloat16):
+        pytest.skip(f"{name} does not serve {fmt} here")
+    step, x, attn, plan = _run(name, cfg, torch.bfloat16, [0, 0, 0], [3, 1, 5], seed=4, fuse=fuse)
+    out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
+    _check(step, cfg, torch.bfloat16, out, lse, name)
+
+
 def _graph(fn):
     """Capture fn() in a CUDA graph (after warm-up on a side stream); returns (graph, output)."""
     s = torch.cuda.Stream()
@@ -248,6 +261,7 @@ def test_flashinfer_graph_replays_after_a_new_plan(fmt, fuse, max_tokens):
             (0, [100, 0, 900, 3000], [4, 2, 1, 5], False),
             (1, [2500, 64, 0, 700], [1, 6, 3, 2], False),
             (2, [300, 5000, 17, 0], [3, 4, 2, 3], True),
+            (3, [0, 0, 0, 0], [2, 5, 1, 4], False),  # a first prefill chunk: the kernel runs over no context
         )
         if not tree or (fuse and max_tokens <= 16)
     ]
@@ -400,6 +414,12 @@ def test_write_new_tokens_in_a_cuda_graph():
     assert torch.equal(flat[slots[slots >= 0]], x.k[slots >= 0]) and big[:, 0].eq(0).all()
 
 
+def test_a_gpu_this_machine_lacks_is_refused():
+    cfg, n = _config("mla", 16, 64), torch.cuda.device_count()
+    with pytest.raises(ValueError, match=rf"expected device 'cuda:{n}' to exist, but this machine has {n} GPU"):
+        TwoStageAttention(cfg, DCPLayout(), dtype=torch.bfloat16, device=f"cuda:{n}")
+
+
 def test_auto_and_forced_refusals_on_this_gpu():
     mla = _spec(_config("mla", 16, 64), torch.bfloat16)
     best = select_backend(mla)
@@ -541,6 +561,22 @@ def test_agree_over_nccl_on_one_gpu():
             assert comm.agree("layer", [0, 2**62], dist.group.WORLD, DEV) == [[0, 2**62]]
         finally:
             dist.destroy_process_group()
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("fuse", [False, True], ids=["backend-query", "fused-query"])
+def test_a_layer_on_a_gpu_that_is_not_the_current_one(fuse):
+    """Triton (the fused kernel, the merge) launches on the current GPU: the layer makes its own current."""
+    cfg, dt, dev = _config("mla", 16, 64), torch.bfloat16, torch.device("cuda", 1)
+    step = synthetic.make_step([100, 0, 2000], [4, 2, 3], heads=16, head_dim=576, head_dim_v=512, dtype=dt, seed=6)
+    x = synthetic.rank_inputs(step, DCPLayout(), 64, mla=True, dtype=dt, device=dev, seed=6)
+    torch.cuda.set_device(0)
+    attn = TwoStageAttention(cfg, DCPLayout(), dtype=dt, device=dev, fuse_query=fuse)
+    plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    out, lse = attn(x.q, x.k, None, x.k_cache, None, plan, return_lse=True)
+    assert torch.cuda.current_device() == 0 and out.device == dev
+    _check(step, cfg, dt, out, lse, f"{attn.backend.name} on cuda:1")
 
 
 @pytest.mark.multigpu

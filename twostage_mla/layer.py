@@ -17,6 +17,7 @@ one Triton kernel, and nothing overlaps 2.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from dataclasses import dataclass, fields, replace
@@ -236,6 +237,11 @@ class TwoStageAttention:
             raise ValueError(f"expected device {str(self.device)!r} to exist, but torch.cuda.is_available() is False")
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" means the current GPU: name it
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type == "cuda" and self.device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"expected device {str(self.device)!r} to exist, but this machine has "
+                f"{torch.cuda.device_count()} GPU(s)"
+            )
         self.spec = _spec(config, layout.world_size, dtype, self.device)
         self.backend = select_backend(self.spec, backend, limits)(self.spec, limits)
         self.merge = select_merge(self.spec)
@@ -258,6 +264,11 @@ class TwoStageAttention:
         # By value, not repr: scale=1 and scale=1.0 (or a numpy float) are the same layer.
         layer = [float(v).hex() if f.name == "scale" else v for f in fields(config) for v in [getattr(config, f.name)]]
         self._layer_digest = _digest(*layer, layout.world_size, layout.interleave, combine, dtype)
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """The layer's GPU as the current one: Triton, and some FlashInfer kernels, launch on the
+        current GPU's stream whatever their tensors' device (cuda:1 while cuda:0 is current)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     @property
     def _made_for(self) -> tuple[bool, CaptureLimits]:
@@ -285,12 +296,13 @@ class TwoStageAttention:
         all-reduce): where any rank refuses its metadata, every rank raises,
         so none goes on into a layer call that another never reaches.
         """
-        try:
-            plan = self._plan(query_start_loc, seq_lens, block_table, parents, num_pages)
-        except Exception:
-            self._agree(None, None)  # this rank refused: say so to the others, then raise its own error
-            raise
-        self._agree(plan, parents)
+        with self._on_device():
+            try:
+                plan = self._plan(query_start_loc, seq_lens, block_table, parents, num_pages)
+            except Exception:
+                self._agree(None, None)  # this rank refused: say so to the others, then raise its own error
+                raise
+            self._agree(plan, parents)
         return plan
 
     def _agree(self, plan: StepPlan | None, parents: torch.Tensor | None) -> None:
@@ -410,6 +422,19 @@ class TwoStageAttention:
 
         No host synchronisation: capturable in a CUDA graph once planned.
         """
+        with self._on_device():
+            return self._call(q, k, v, k_cache, v_cache, plan, return_lse)
+
+    def _call(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        plan: StepPlan,
+        return_lse: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         ok = isinstance(plan, StepPlan) and (plan.backend, plan.spec, plan.layout, plan.made_for) == (
             self.backend.name,
             self.spec,
@@ -436,6 +461,7 @@ class TwoStageAttention:
                 "expected the latest plan of the layer that made it: under capture limits its fixed buffers hold "
                 "one step's indices at a time, and plan() has been called again since this plan was made"
             )
+        self.backend.check_plan(plan)  # a plan its kernels no longer hold: refused here, before any collective
         cfg, t = self.config, plan.num_tokens
         if plan.page_size != cfg.page_size:
             raise ValueError(f"expected plan.page_size == {cfg.page_size}, got {plan.page_size}")

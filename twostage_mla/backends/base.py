@@ -213,6 +213,10 @@ class AttentionBackend:
         """Per-step kernel plans (built once, reused by every layer); None if none."""
         return None
 
+    def check_plan(self, plan: StepPlan) -> None:
+        """Raise unless this backend's kernels can still run ``plan`` (a no-op where plans hold
+        their own tensors). The layer calls it before any collective."""
+
     def invalidate_plans(self) -> None:
         """Make every plan made so far refuse to run (after a step the group refused).
 

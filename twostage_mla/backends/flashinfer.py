@@ -84,6 +84,7 @@ class FlashInferState:
     wrappers: _Wrappers | None  # None: the step has no tokens
     generation: int  # must equal wrappers.generation when a layer runs
     empty_rows: torch.Tensor | None  # (T, 1) bool rows to set to (0, -inf), or None
+    context: bool = True  # False: no rank-local context in this step, no context kernel planned (eager only)
 
 
 class FlashInferBackend(AttentionBackend):
@@ -185,20 +186,26 @@ class FlashInferBackend(AttentionBackend):
         qsl = plan.query_start_loc
         page_indptr, page_indices = page_lists(plan.block_table, plan.local_context_lens, plan.page_size)
         w = self._wrappers_for(plan)
+        # A step with no context on this rank (a first prefill chunk; ranks past a short context)
+        # returns the empty state without a kernel, as the other backends do. A captured graph
+        # must serve later steps, so under capture limits the kernel runs (and its rows are masked).
+        context = self.limits.given or plan.max_local_context_len > 0
         # Tree masks take the base class's dense query pass: no query kernel to plan then.
         plan_query = plan.query_mask is None and self.query_pass
         if self._mla:
             dv, dr = s.head_dim_v, s.head_dim - s.head_dim_v
-            w.ctx.plan(qsl, page_indptr, page_indices, plan.local_context_lens, self._ctx_heads, dv, dr,
-                       plan.page_size, False, scale, dt, dt)
+            if context:
+                w.ctx.plan(qsl, page_indptr, page_indices, plan.local_context_lens, self._ctx_heads, dv, dr,
+                           plan.page_size, False, scale, dt, dt)
             if plan_query:
                 # The fresh K/V as a cache of one-token pages: page i is token i.
                 tok = torch.arange(plan.num_tokens, dtype=torch.int32, device=qsl.device)
                 w.qry.plan(qsl, qsl, tok, plan.q_lens, s.num_heads, dv, dr, 1, True, scale, dt, dt)
         else:
-            w.ctx.plan(qsl, page_indptr, page_indices, last_page_lens(plan), self._ctx_heads, s.num_kv_heads,
-                       s.head_dim, plan.page_size, head_dim_vo=s.head_dim_v, causal=False, sm_scale=scale,
-                       q_data_type=dt, kv_data_type=dt)
+            if context:
+                w.ctx.plan(qsl, page_indptr, page_indices, last_page_lens(plan), self._ctx_heads, s.num_kv_heads,
+                           s.head_dim, plan.page_size, head_dim_vo=s.head_dim_v, causal=False, sm_scale=scale,
+                           q_data_type=dt, kv_data_type=dt)
             if plan_query:
                 w.qry.plan(qsl, qsl, s.num_heads, s.num_kv_heads, s.head_dim, head_dim_vo=s.head_dim_v,
                            causal=True, sm_scale=scale, q_data_type=dt, kv_data_type=dt)
@@ -208,12 +215,15 @@ class FlashInferBackend(AttentionBackend):
             buf.copy_(empty if empty is not None else torch.zeros_like(buf))
             empty = buf
         w.generation += 1
-        return FlashInferState(w, w.generation, empty)
+        return FlashInferState(w, w.generation, empty, context)
 
     def invalidate_plans(self) -> None:
         for w in [self._shared, *self._by_batch.values()]:
             if w is not None:
                 w.generation += 1
+
+    def check_plan(self, plan: StepPlan) -> None:
+        self._state(plan)
 
     def _state(self, plan: StepPlan) -> FlashInferState:
         st = self._plan_state(plan, FlashInferState)
@@ -233,7 +243,7 @@ class FlashInferBackend(AttentionBackend):
         """
         st, dv = self._state(plan), self.spec.head_dim_v
         t, h = q.shape[0], q.shape[1]
-        if st.wrappers is None:
+        if st.wrappers is None or not st.context:
             return empty_state(t, h, dv, q)
         o = q.new_empty((t, h, dv))
         lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
