@@ -155,11 +155,12 @@ def test_passes_match_reference_on_a_shard(emulated, name, mla):
     )
     fast, ref = FAST[name](spec), ReferenceBackend(spec)
     fplan = plan.__class__(**{**plan.__dict__, "backend_state": fast.plan(plan)})
+    rplan = plan.__class__(**{**plan.__dict__, "backend_state": ref.plan(plan)})
     v, v_cache = (x.k[..., : cfg.head_dim_v], x.k_cache[..., : cfg.head_dim_v]) if mla else (x.v, x.v_cache)
     q_all = step.q.to(torch.float32)  # (T, 2H, D): the gathered queries of both ranks
     for got, want in (
-        (fast.context(q_all, x.k_cache, v_cache, fplan), ref.context(q_all, x.k_cache, v_cache, plan)),
-        (fast.query(x.q, x.k, v, fplan), ref.query(x.q, x.k, v, plan)),
+        (fast.context(q_all, x.k_cache, v_cache, fplan), ref.context(q_all, x.k_cache, v_cache, rplan)),
+        (fast.query(x.q, x.k, v, fplan), ref.query(x.q, x.k, v, rplan)),
     ):
         assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
         assert got[1].dtype == torch.float32
@@ -400,3 +401,21 @@ def test_torch_efficient_refuses_bf16_before_sm80(monkeypatch):
             spec = AttentionSpec("mla", 16, 1, 576, 512, 64, 1, 0.1, dtype, torch.device("cuda", 0))
             why = " ".join(TorchEfficientBackend.environment_problems(spec))
             assert ("bf16 needs compute capability >= (8, 0)" in why) == (refused and dtype == torch.bfloat16), why
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_dense_attention_spreads_a_bad_value_only_to_rows_that_see_it(bad):
+    # The reference's maths and every backend's tree query pass: 0 x NaN must not reach a row
+    # whose mask hides the key (a later token, a tree sibling), and a row that sees it is NaN.
+    from twostage_mla.backends._dense import dense_attention
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 3, 4, d, generator=g) for d in (8, 8, 6))
+    k, v = k[:, :, :2], v[:, :, :2]  # 4 query heads over 2 KV heads
+    v[0, 2, 1, 4] = bad  # key 2, KV head 1 (query heads 2 and 3), one value
+    mask = torch.ones(3, 3, dtype=torch.bool).tril()[None]  # key 2 is seen by row 2 only
+    o, lse = dense_attention(q, k, v, mask, 0.3)
+    assert o[0, 2, 2:, 4].isnan().all() and not o[0, 2, 2:].isnan()[:, [0, 1, 2, 3, 5]].any()
+    assert not o[0, :2].isnan().any() and not o[0, 2, :2].isnan().any() and lse.isfinite().all()
+    clean, _ = dense_attention(q[:, :2], k[:, :2], v[:, :2], mask[:, :2, :2], 0.3)
+    torch.testing.assert_close(o[:, :2], clean)

@@ -301,10 +301,16 @@ def test_config_errors():
         AttentionConfig(0, 16, 16, 4, 0.1)
     with pytest.raises(ValueError, match="page_size to be a positive int, got True"):
         AttentionConfig(4, 16, 16, True, 0.1)
-    for bad in (0.0, float("inf"), float("nan")):
-        with pytest.raises(ValueError, match="scale to be a finite number > 0"):
+    for bad in (0.0, float("inf"), float("nan"), torch.tensor(0.1)):
+        with pytest.raises(ValueError, match="scale to be a finite real number > 0"):
             AttentionConfig(4, 16, 16, 4, bad)
+    # Sizes and scale from a model config as NumPy scalars: the same config as Python numbers.
+    np = pytest.importorskip("numpy")
+    from_numpy = AttentionConfig(np.int64(4), np.int32(16), 16, 4, np.float32(0.1))
+    assert from_numpy == AttentionConfig(4, 16, 16, 4, float(np.float32(0.1)))
+    assert type(from_numpy.num_heads) is int and type(from_numpy.scale) is float
     cfg = AttentionConfig(4, 16, 16, 4, 0.1)
+    assert TwoStageAttention(cfg, DCPLayout(), device="cpu:0").device == torch.device("cpu")
     with pytest.raises(ValueError, match="expected dtype to be a torch.dtype .* got 'bfloat16'"):
         TwoStageAttention(cfg, DCPLayout(), dtype="bfloat16")
     if not torch.cuda.is_available():  # the README's device="cuda" on a machine without one

@@ -55,9 +55,11 @@ class DemoArgs:
 
 def _host_bytes_needed(a: DemoArgs) -> int:
     """Roughly what the workers hold at once on the host: each builds the whole step's K/V (with its
-    shard and a copy), and the float64 oracle of its heads for the longest request."""
+    shard and a copy) next to torch itself; rank 0 adds the float64 oracle of every head for the
+    longest request (its K/V, scores and softmax)."""
     d, n = a.kv_lora_rank + a.rope_dim, a.max_context + a.max_q_len
-    return a.world_size * (3 * a.batch * n * d * 4 + n * (a.heads // a.world_size) * (d + a.kv_lora_rank) * 8)
+    oracle = n * (d + a.kv_lora_rank) * 8 + 3 * a.heads * a.max_q_len * n * 8
+    return a.world_size * (3 * a.batch * n * d * 4 + 2**30) + oracle
 
 
 def _host_bytes() -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import numbers
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -63,10 +64,13 @@ class AttentionConfig:
         return cls(num_heads, kv_lora_rank + rope_dim, kv_lora_rank, page_size, scale, 1, "mla")
 
     def __post_init__(self) -> None:
+        # Sizes may come from a model config as NumPy scalars: kept as Python numbers, so that
+        # equal configs hash alike (a plan's check, the agreement across ranks).
         for name in ("num_heads", "head_dim", "head_dim_v", "page_size", "num_kv_heads"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
                 raise ValueError(f"expected {name} to be a positive int, got {v!r}")
+            object.__setattr__(self, name, int(v))
         if self.kv_format not in ("mla", "gqa"):
             raise ValueError(f"expected kv_format 'mla' or 'gqa', got {self.kv_format!r}")
         if self.kv_format == "mla" and (self.num_kv_heads != 1 or self.head_dim_v > self.head_dim):
@@ -78,8 +82,12 @@ class AttentionConfig:
             raise ValueError(
                 f"expected num_heads to be a multiple of num_kv_heads = {self.num_kv_heads}, got {self.num_heads}"
             )
-        if isinstance(self.scale, bool) or not (isinstance(self.scale, (int, float)) and 0 < self.scale < math.inf):
-            raise ValueError(f"expected scale to be a finite number > 0, got {self.scale!r}")
+        if isinstance(self.scale, bool) or not (isinstance(self.scale, numbers.Real) and 0 < self.scale < math.inf):
+            raise ValueError(
+                f"expected scale to be a finite real number > 0 (a Python or NumPy float), got {self.scale!r} "
+                f"({type(self.scale).__name__})"
+            )
+        object.__setattr__(self, "scale", float(self.scale))
 
 
 def _check(name: str, t: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
@@ -235,6 +243,8 @@ class TwoStageAttention:
         self.dtype, self.device = dtype, torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"expected device {str(self.device)!r} to exist, but torch.cuda.is_available() is False")
+        if self.device.type == "cpu":  # "cpu:0" is "cpu": tensors on the CPU report no index
+            self.device = torch.device("cpu")
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" means the current GPU: name it
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type == "cuda" and self.device.index >= torch.cuda.device_count():

@@ -1,12 +1,14 @@
 """Float64 dense oracle: attention with the true causal mask over unsharded KV.
 
 Use it to check an integration: shard the same K/V, run the layer on every
-rank, and compare each rank's heads with the oracle's.
+rank, and compare each rank's output with the oracle of that rank's q heads
+(GQA groups heads within what it is given: see ``oracle_attention``).
 """
 
 from __future__ import annotations
 
 import torch
+from einops import rearrange
 
 from twostage_mla.plan import _int_tensor, _step_lengths, _tree_mask
 
@@ -22,8 +24,10 @@ def oracle_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of every query over its request's whole, unsharded KV.
 
-    q: (T, H, D), all heads; the Q_b queries of request b are its last Q_b
-        positions C_b .. seq_lens[b]-1.
+    q: (T, H, D); the Q_b queries of request b are its last Q_b positions
+        C_b .. seq_lens[b]-1. Head h reads K/V head h // (H / H_kv): for GQA
+        pass one rank's heads (a layer's heads read its H_kv heads in groups
+        of its own H / H_kv); for MLA (H_kv = 1) any heads.
     k: (S, H_kv, D), v: (S, H_kv, Dv): every request's positions 0 .. seq_lens[b]-1,
         requests concatenated (S = seq_lens.sum()); for MLA pass
         v = k[..., :kv_lora_rank] with H_kv = 1.
@@ -61,8 +65,8 @@ def oracle_attention(
     for b in range(len(sl)):
         t0, t1, n = qsl[b], qsl[b + 1], sl[b]
         nq, ctx = t1 - t0, n - (t1 - t0)
-        kb = k[start : start + n].double().cpu().repeat_interleave(g, dim=1)  # (n, H, D)
-        vb = v[start : start + n].double().cpu().repeat_interleave(g, dim=1)
+        kb = k[start : start + n].double().cpu()  # (n, H_kv, D): heads read it in groups, not copied per head
+        vb = v[start : start + n].double().cpu()
         start += n
         if nq == 0:
             continue
@@ -74,9 +78,10 @@ def oracle_attention(
             new = torch.zeros(nq, n, dtype=torch.bool)
             new[:, ctx:] = tree[b, :nq, :nq]
             mask = (p < ctx) | new
-        s = torch.einsum("thd,nhd->htn", q[t0:t1].double().cpu(), kb) * scale
+        qb = rearrange(q[t0:t1].double().cpu(), "t (k g) d -> k g t d", g=g)
+        s = torch.einsum("kgtd,nkd->kgtn", qb, kb) * scale
         s = s.masked_fill(~mask, float("-inf"))
-        lse_b = torch.logsumexp(s, dim=-1)  # (H, nq)
-        o[t0:t1] = torch.einsum("htn,nhd->thd", torch.softmax(s, dim=-1), vb)
-        lse[t0:t1] = lse_b.T
+        lse_b = torch.logsumexp(s, dim=-1)  # (H_kv, G, nq)
+        o[t0:t1] = rearrange(torch.einsum("kgtn,nkd->kgtd", torch.softmax(s, dim=-1), vb), "k g t d -> t (k g) d")
+        lse[t0:t1] = rearrange(lse_b, "k g t -> t (k g)")
     return o, lse
