@@ -345,6 +345,8 @@ def test_capture_limits_are_checked():
     with pytest.raises(ValueError, match="max_q_len to be None or a positive int, got True"):
         CaptureLimits(2, 8, 8, max_q_len=True)
     assert CaptureLimits(2, 8, 8, max_q_len=64).longest_request == 8  # no request is longer than a step
+    np = pytest.importorskip("numpy")
+    assert CaptureLimits(np.int64(2), np.int32(8), np.int64(8)) == CaptureLimits(2, 8, 8)
 
 
 def test_auto_and_forced_selection_on_cpu():
@@ -419,3 +421,20 @@ def test_dense_attention_spreads_a_bad_value_only_to_rows_that_see_it(bad):
     assert not o[0, :2].isnan().any() and not o[0, 2, :2].isnan().any() and lse.isfinite().all()
     clean, _ = dense_attention(q[:, :2], k[:, :2], v[:, :2], mask[:, :2, :2], 0.3)
     torch.testing.assert_close(o[:, :2], clean)
+
+
+def test_reference_pads_each_request_at_most_to_twice_its_lengths():
+    # A long chunk or a long context among short ones pads only its own group (not the batch).
+    ctx, ql = [0, 3, 5, 7, 300, 40], [1, 1, 2, 1, 2, 200]
+    step = synthetic.make_step(ctx, ql, heads=4, head_dim=80, head_dim_v=64, seed=2)
+    x = synthetic.rank_inputs(step, DCPLayout(), 16, mla=True, dtype=torch.float32, device="cpu")
+    plan = plan_step(x.query_start_loc, x.seq_lens, x.block_table, page_size=16, layout=DCPLayout())
+    spec = TwoStageAttention(_config(True, 16), DCPLayout(), dtype=torch.float32).spec
+    state = ReferenceBackend(spec).plan(plan)
+    for groups, with_context in ((state.context, True), (state.query, False)):
+        seen = []
+        for g in groups:
+            for b in g.requests.tolist():
+                seen.append(b)
+                assert g.tokens.shape[1] < 2 * ql[b] and (not with_context or g.slots.shape[1] < 2 * ctx[b])
+        assert sorted(seen) == [b for b in range(6) if not with_context or ctx[b]]

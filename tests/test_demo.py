@@ -59,7 +59,7 @@ def test_demo_refuses_bad_options_before_starting_processes():
         (dict(backend="nope"), "backend to be 'auto' or one of"),
         (dict(min_context=10, max_context=5), "min_context <= max_context"),
         (dict(heads=0), "heads >= 1, got 0"),
-        (dict(max_context=10**9), r"expected batch x max_context to fit this machine's memory: .* need about \d+ GiB"),
+        (dict(max_context=10**9), r"expected world_size x batch x max_context to fit .* about \d+ GiB"),
         (dict(dtype="fp64"), r"expected dtype auto, float32, bfloat16, float16 \(or fp32, bf16, fp16\), got 'fp64'"),
         (dict(backend="flashinfer", device="cpu"), r"(?s)backend 'flashinfer' cannot serve .*device 'cpu' not in"),
     ]:

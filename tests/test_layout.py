@@ -88,3 +88,12 @@ def test_layout_rejects_bad_values():
         DCPLayout(2, 2, 1)
     with pytest.raises(ValueError, match="expected interleave to be an int, got True"):
         DCPLayout(2, 0, True)
+    with pytest.raises(ValueError, match="expected world_size to be an int, got 2.0"):
+        DCPLayout(2.0, 0, 1)
+
+
+def test_layout_takes_numpy_ints_as_python_ints():
+    # Engines read sizes from configs, often as NumPy scalars: the same layout (a plan's check compares them).
+    np = pytest.importorskip("numpy")
+    layout = DCPLayout(np.int64(4), np.int32(1), np.int64(16))
+    assert layout == DCPLayout(4, 1, 16) and all(type(v) is int for v in vars(layout).values())

@@ -59,7 +59,7 @@ def _host_bytes_needed(a: DemoArgs) -> int:
     longest request (its K/V, scores and softmax)."""
     d, n = a.kv_lora_rank + a.rope_dim, a.max_context + a.max_q_len
     oracle = n * (d + a.kv_lora_rank) * 8 + 3 * a.heads * a.max_q_len * n * 8
-    return a.world_size * (3 * a.batch * n * d * 4 + 2**30) + oracle
+    return a.world_size * (3 * a.batch * n * d * 4 + 3 * 2**27) + oracle  # torch itself: ~0.25 - 0.4 GiB
 
 
 def _host_bytes() -> int:
@@ -206,9 +206,9 @@ def run_demo(args: DemoArgs) -> dict:
     need, have = _host_bytes_needed(args), _host_bytes()
     if need > have:
         raise ValueError(
-            f"expected batch x max_context to fit this machine's memory: the workers' synthetic K/V and float64 "
-            f"oracle need about {need / 2**30:.0f} GiB, {have / 2**30:.0f} GiB here (got batch {args.batch}, "
-            f"max_context {args.max_context})"
+            f"expected world_size x batch x max_context to fit this machine's memory: the workers' synthetic K/V "
+            f"and float64 oracle need about {need / 2**30:.0f} GiB, {have / 2**30:.0f} GiB here (got world_size "
+            f"{args.world_size}, batch {args.batch}, max_context {args.max_context})"
         )
     device = resolve_device(args.world_size, args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")

@@ -297,7 +297,7 @@ class TwoStageAttention:
         """Per-step plan, shared by every layer (see :func:`plan_step`).
 
         query_start_loc: (B+1,) int32; seq_lens: (B,) int32 global lengths
-        including the step's tokens; block_table: (B, max_pages) int32;
+        including the step's tokens; block_table: (B, W) int32;
         parents: optional (T,) int tree parents. All on this layer's device.
         num_pages: optional, pages P of this rank's caches: page ids the step
             uses must be below it (the layer call checks k_cache.shape[0] too).
@@ -359,9 +359,9 @@ class TwoStageAttention:
             query_start_loc, seq_lens, block_table, page_size=self.config.page_size, layout=self.layout, parents=parents
         )
         if num_pages is not None:
-            if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 1:
+            if not isinstance(num_pages, numbers.Integral) or isinstance(num_pages, bool) or num_pages < 1:
                 raise ValueError(f"expected num_pages to be None or a positive int, got {num_pages!r}")
-            _check_pages(plan, "num_pages", num_pages)
+            _check_pages(plan, "num_pages", int(num_pages))
         limits = self.backend.limits
         # Under capture limits, requests of up to 16 tokens through the fused kernel get a fixed
         # (max_batch_size, max_q_len, max_q_len) mask, causal on causal steps: one graph serves

@@ -17,6 +17,7 @@ needs no host synchronisation, except kv_slots' check of the table's width
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -39,13 +40,15 @@ class DCPLayout:
 
     def __post_init__(self) -> None:
         for name in ("world_size", "rank", "interleave"):
-            if isinstance(getattr(self, name), bool):  # an int to isinstance, but never meant as one
-                raise ValueError(f"expected {name} to be an int, got {getattr(self, name)!r}")
-        if not isinstance(self.world_size, int) or self.world_size < 1:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):  # bool: an int, never meant as one
+                raise ValueError(f"expected {name} to be an int, got {v!r}")
+            object.__setattr__(self, name, int(v))  # NumPy ints too, kept as Python ints
+        if self.world_size < 1:
             raise ValueError(f"expected world_size >= 1 (an int), got {self.world_size!r}")
-        if not isinstance(self.interleave, int) or self.interleave < 1:
+        if self.interleave < 1:
             raise ValueError(f"expected interleave >= 1 (an int), got {self.interleave!r}")
-        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+        if not 0 <= self.rank < self.world_size:
             raise ValueError(f"expected 0 <= rank < world_size = {self.world_size}, got rank={self.rank!r}")
 
 

@@ -46,7 +46,7 @@ class StepPlan:
     q_lens: torch.Tensor  # (B,) int32
     context_lens: torch.Tensor  # (B,) int32, global C_b
     local_context_lens: torch.Tensor  # (B,) int32, on this rank
-    block_table: torch.Tensor  # (B, max_pages) int32, this rank's pages
+    block_table: torch.Tensor  # (B, W) int32, this rank's pages
     token_request: torch.Tensor  # (T,) int64, request of each token
     token_offset: torch.Tensor  # (T,) int64, j: index of the token within its request
     write_rows: torch.Tensor  # (W,) int64, tokens of the step this rank stores
@@ -80,7 +80,9 @@ class StepPlan:
 
         cache: (P, page_size, H_kv, D), any strides (a view of a larger buffer too), written in
         place; new: (T, H_kv, D), same dtype.
-        No host synchronisation (indices come from the plan): call it per layer.
+        No host synchronisation (indices come from the plan): call it per layer. A CUDA graph that
+        captures it writes this plan's slots at every replay: so for a plan of a layer with capture
+        limits it refuses to be captured (see docs/api.md).
         """
         if not isinstance(cache, torch.Tensor) or cache.dim() != 4 or cache.shape[1] != self.page_size:
             got = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
@@ -90,6 +92,15 @@ class StepPlan:
             got = f"{tuple(new.shape)} {new.dtype}" if isinstance(new, torch.Tensor) else type(new).__name__
             raise ValueError(f"expected new: (T, H_kv, D) = {want} {cache.dtype} like cache, got {got}")
         _check_pages(self, "cache.shape[0]", cache.shape[0])
+        limits = self.made_for[1] if self.made_for is not None else None
+        if limits is not None and limits.given and cache.is_cuda and torch.cuda.is_current_stream_capturing():
+            # The slots, and how many this rank owns, are this step's: a graph replayed after later
+            # plans (what capture limits are for) would write them again, silently wrong.
+            raise ValueError(
+                "expected write_new_tokens outside a CUDA graph for a plan of a layer with capture limits: a "
+                "replay after a later plan would write this step's slots; write before the replay, or copy "
+                "plan.new_token_slots() into the slot mapping of the engine's own cache-write kernel (-1: skip)"
+            )
         page, offset = self.write_slots // self.page_size, self.write_slots % self.page_size
         cache.index_put_((page, offset), new.index_select(0, self.write_rows))
 
@@ -187,7 +198,7 @@ def plan_step(
     query_start_loc: (B+1,) int, cumulative query counts, starting at 0.
     seq_lens: (B,) int, global sequence length of each request *including* the
         step's new tokens (so context C_b = seq_lens[b] - q_len_b).
-    block_table: (B, max_pages) int, this rank's page ids; at least
+    block_table: (B, W) int, this rank's page ids; at least
         ceil(local_len(seq_lens[b], 0) / page_size) pages wide on every rank
         (rank 0's need, the largest), so the new tokens can be written too.
     page_size: tokens per page, a multiple of layout.interleave.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+import numbers
 import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -50,8 +51,10 @@ class CaptureLimits:
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_tokens", "max_pages", "max_q_len"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            if v is not None and (not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"expected {name} to be None or a positive int, got {v!r}")
+            if v is not None:
+                object.__setattr__(self, name, int(v))  # NumPy ints too, kept as Python ints
         three = {"max_batch_size": self.max_batch_size, "max_tokens": self.max_tokens, "max_pages": self.max_pages}
         missing = [k for k, v in three.items() if v is None]
         # Some limits without the others would give no fixed buffers, silently: a graph replayed
