@@ -414,6 +414,19 @@ def test_write_new_tokens_in_a_cuda_graph():
     assert torch.equal(flat[slots[slots >= 0]], x.k[slots >= 0]) and big[:, 0].eq(0).all()
 
 
+def test_write_new_tokens_refuses_capture_under_capture_limits():
+    """A graph replayed after later plans would write the captured step's slots: refused, not silently wrong."""
+    cfg = _config("mla", 16, 64)
+    if "flashinfer" not in _serving(cfg, torch.bfloat16):
+        pytest.skip("flashinfer not installed")
+    limits = dict(max_batch_size=4, max_tokens=16, max_pages=64)
+    _, x, _, plan = _run("flashinfer", cfg, torch.bfloat16, [100, 700], [4, 2], seed=6, limits=limits)
+    plan.write_new_tokens(x.k_cache, x.k)  # eagerly: fine
+    with pytest.raises(ValueError, match="expected write_new_tokens outside a CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            plan.write_new_tokens(x.k_cache, x.k)
+
+
 def test_a_gpu_this_machine_lacks_is_refused():
     cfg, n = _config("mla", 16, 64), torch.cuda.device_count()
     with pytest.raises(ValueError, match=rf"expected device 'cuda:{n}' to exist, but this machine has {n} GPU"):

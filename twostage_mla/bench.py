@@ -53,11 +53,13 @@ def _ints(s: str) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small grid (B=32, C up to 32K, Q in 1,4,8)")
-    p.add_argument("--batch", type=_ints, default=None, help="comma list, e.g. 1,8,32,64")
-    p.add_argument("--context", type=_ints, default=None, help="comma list, e.g. 1K,8K,32K,128K")
-    p.add_argument("--q-len", type=_ints, default=None, help="comma list, e.g. 1,2,4,8")
-    p.add_argument("--heads", type=_ints, default=None, help="comma list, e.g. 16,128")
-    p.add_argument("--methods", default="twostage,onepass,expand,floor", help="comma list of those four")
+    p.add_argument("--batch", type=_ints, default=None,
+                   help="comma list, e.g. 1,8,32,64 (default: the issue's grid, or --quick's)")
+    p.add_argument("--context", type=_ints, default=None, help="comma list, e.g. 1K,8K,32K,128K (default: the grid's)")
+    p.add_argument("--q-len", type=_ints, default=None, help="comma list, e.g. 1,2,4,8 (default: the grid's)")
+    p.add_argument("--heads", type=_ints, default=None, help="comma list, e.g. 16,128 (default: the grid's)")
+    p.add_argument("--methods", default="twostage,onepass,expand,floor",
+                   help="comma list of twostage, onepass, expand, floor (default: all four)")
     p.add_argument("--backends", default="all", help="'all' (every GPU backend that serves MLA here) or a list")
     p.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
     p.add_argument("--kv-lora-rank", type=int, default=512, help="MLA latent dim Dv (default 512)")
