@@ -18,9 +18,11 @@ one Triton kernel, and nothing overlaps 2.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -120,6 +122,19 @@ def _spec(config: AttentionConfig, world_size: int, dtype: torch.dtype, device: 
         dtype=dtype,
         device=device,
     )
+
+
+def _on_device(method: Callable) -> Callable:
+    """Run a layer method with the layer's GPU as the current one: Triton, and some FlashInfer
+    kernels, launch on the current GPU's stream whatever their tensors' device (cuda:1 while
+    cuda:0 is current)."""
+
+    @functools.wraps(method)
+    def on_device(self: TwoStageAttention, *args: Any, **kwargs: Any) -> Any:
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            return method(self, *args, **kwargs)
+
+    return on_device
 
 
 def _digest(*parts: Any) -> int:
@@ -275,16 +290,12 @@ class TwoStageAttention:
         layer = [float(v).hex() if f.name == "scale" else v for f in fields(config) for v in [getattr(config, f.name)]]
         self._layer_digest = _digest(*layer, layout.world_size, layout.interleave, combine, dtype)
 
-    def _on_device(self) -> contextlib.AbstractContextManager:
-        """The layer's GPU as the current one: Triton, and some FlashInfer kernels, launch on the
-        current GPU's stream whatever their tensors' device (cuda:1 while cuda:0 is current)."""
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-
     @property
     def _made_for(self) -> tuple[bool, CaptureLimits]:
         """A plan serves layers that planned alike: the fused kernel and the limits decide what it holds."""
         return self.query_merge is not None, self.backend.limits
 
+    @_on_device
     def plan(
         self,
         query_start_loc: torch.Tensor,
@@ -306,13 +317,12 @@ class TwoStageAttention:
         all-reduce): where any rank refuses its metadata, every rank raises,
         so none goes on into a layer call that another never reaches.
         """
-        with self._on_device():
-            try:
-                plan = self._plan(query_start_loc, seq_lens, block_table, parents, num_pages)
-            except Exception:
-                self._agree(None, None)  # this rank refused: say so to the others, then raise its own error
-                raise
-            self._agree(plan, parents)
+        try:
+            plan = self._plan(query_start_loc, seq_lens, block_table, parents, num_pages)
+        except Exception:
+            self._agree(None, None)  # this rank refused: say so to the others, then raise its own error
+            raise
+        self._agree(plan, parents)
         return plan
 
     def _agree(self, plan: StepPlan | None, parents: torch.Tensor | None) -> None:
@@ -409,6 +419,7 @@ class TwoStageAttention:
         version = (self._fixed_count, self._fixed_count[0])
         return replace(plan, fixed_version=version, fused_plan=replace(plan, **fixed))
 
+    @_on_device
     def __call__(
         self,
         q: torch.Tensor,
@@ -432,19 +443,6 @@ class TwoStageAttention:
 
         No host synchronisation: capturable in a CUDA graph once planned.
         """
-        with self._on_device():
-            return self._call(q, k, v, k_cache, v_cache, plan, return_lse)
-
-    def _call(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor | None,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor | None,
-        plan: StepPlan,
-        return_lse: bool,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         ok = isinstance(plan, StepPlan) and (plan.backend, plan.spec, plan.layout, plan.made_for) == (
             self.backend.name,
             self.spec,
