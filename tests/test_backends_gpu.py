@@ -70,6 +70,14 @@ def _serving(cfg: AttentionConfig, dtype: torch.dtype) -> list[str]:
     return [n for n, why in refusals(_spec(cfg, dtype)).items() if not why]
 
 
+def _served_config(name: str, fmt: str) -> AttentionConfig:
+    """The layer most tests use (MLA 16 heads or GQA 8 over 2, page 64, bf16); skip where ``name`` cannot serve it."""
+    cfg = _config(fmt, 16 if fmt == "mla" else 8, 64)
+    if name not in _serving(cfg, torch.bfloat16):
+        pytest.skip(f"{name} does not serve {fmt} here")
+    return cfg
+
+
 def _run(name, cfg, dtype, ctx, ql, *, tree=False, seed=0, limits=None, fuse=None, fill=None):
     fmt_mla = cfg.kv_format == "mla"
     step = synthetic.make_step(
@@ -152,9 +160,7 @@ def test_backend_matches_oracle(name, fmt, heads, dtype, page, tree, ctx, ql, fu
 @pytest.mark.parametrize("fmt", ["mla", "gqa"])
 def test_nan_in_unwritten_cache_slots(name, fmt):
     """An engine's torch.empty cache may hold NaN past a request's length: it must never leak in."""
-    cfg = _config(fmt, 16 if fmt == "mla" else 8, 64)
-    if name not in _serving(cfg, torch.bfloat16):
-        pytest.skip(f"{name} does not serve {fmt} here")
+    cfg = _served_config(name, fmt)
     step, x, attn, plan = _run(name, cfg, torch.bfloat16, [0, 5, 70, 700], [3, 2, 8, 1], seed=3, fill=float("nan"))
     out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
     _check(step, cfg, torch.bfloat16, out, lse, f"{name} with NaN in unwritten slots")
@@ -175,9 +181,7 @@ def test_mla_128_heads(name, fuse):
 @pytest.mark.parametrize("fmt", ["mla", "gqa"])
 def test_empty_context_rows_are_the_empty_state(name, fmt):
     """The context pass itself returns (0, -inf) for a request with no context, whatever the kernel writes."""
-    cfg = _config(fmt, 16 if fmt == "mla" else 8, 64)
-    if name not in _serving(cfg, torch.bfloat16):
-        pytest.skip(f"{name} does not serve {fmt} here")
+    cfg = _served_config(name, fmt)
     _, x, attn, plan = _run(name, cfg, torch.bfloat16, [0, 70, 0], [3, 2, 1])
     v_cache = x.k_cache[..., : cfg.head_dim_v] if fmt == "mla" else x.v_cache
     o, lse = attn.backend.context(x.q, x.k_cache, v_cache, plan)
@@ -191,9 +195,7 @@ def test_empty_context_rows_are_the_empty_state(name, fmt):
 @pytest.mark.parametrize("fmt", ["mla", "gqa"])
 def test_a_step_with_no_context(name, fmt, fuse):
     """A first prefill chunk: no request has context on this rank (eager: FlashInfer runs no context kernel)."""
-    cfg = _config(fmt, 16 if fmt == "mla" else 8, 64)
-    if name not in _serving(cfg, torch.bfloat16):
-        pytest.skip(f"{name} does not serve {fmt} here")
+    cfg = _served_config(name, fmt)
     step, x, attn, plan = _run(name, cfg, torch.bfloat16, [0, 0, 0], [3, 1, 5], seed=4, fuse=fuse)
     out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
     _check(step, cfg, torch.bfloat16, out, lse, name)
@@ -216,9 +218,7 @@ def _graph(fn):
 @pytest.mark.parametrize("name", [n for n in backend_names() if n != "reference"])
 @pytest.mark.parametrize("fmt", ["mla", "gqa"])
 def test_cuda_graph_replay_matches_eager(name, fmt):
-    cfg = _config(fmt, 16 if fmt == "mla" else 8, 64)
-    if name not in _serving(cfg, torch.bfloat16):
-        pytest.skip(f"{name} does not serve {fmt} here")
+    cfg = _served_config(name, fmt)
     step, x, attn, plan = _run(name, cfg, torch.bfloat16, [0, 63, 700, 2000], [4, 1, 8, 3], seed=2)
     eager, eager_lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
     g, (out, lse) = _graph(lambda: attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True))
@@ -240,9 +240,7 @@ def test_flashinfer_graph_replays_after_a_new_plan(fmt, fuse, max_tokens):
     max_tokens 32 (requests may have more than 16 tokens): the fused kernel's long variant. With the
     fused kernel and max_tokens 16, a tree step too: the graph was captured at a chain step.
     """
-    cfg = _config(fmt, 16 if fmt == "mla" else 8, 64)
-    if "flashinfer" not in _serving(cfg, torch.bfloat16):
-        pytest.skip("flashinfer not installed")
+    cfg = _served_config("flashinfer", fmt)
     dt, mla = torch.bfloat16, fmt == "mla"
     steps = [
         synthetic.make_step(
@@ -341,9 +339,7 @@ def test_flashinfer_steps_of_one_batch_and_other_token_counts(fmt, fuse):
     holds GQA wrappers per (B, T). Each step runs eagerly against the oracle, and a graph captured at
     the first step of each T replays the later steps of that T.
     """
-    cfg = _config(fmt, 16 if fmt == "mla" else 8, 64)
-    if "flashinfer" not in _serving(cfg, torch.bfloat16):
-        pytest.skip("flashinfer not installed")
+    cfg = _served_config("flashinfer", fmt)
     dt, mla = torch.bfloat16, fmt == "mla"
     qls = ([1, 1, 1, 1], [4, 2, 1, 5], [1, 1, 1, 1], [3, 3, 3, 3], [2, 6, 1, 3])
     steps = [
@@ -390,9 +386,7 @@ def test_flashinfer_steps_of_one_batch_and_other_token_counts(fmt, fuse):
 @pytest.mark.parametrize("fmt", ["mla", "gqa"])
 def test_strided_inputs_on_cuda(name, fmt):
     """q, k, v with stride 2 in the head dim and caches strided in pages, through the real kernels."""
-    cfg = _config(fmt, 16 if fmt == "mla" else 8, 64)
-    if name not in _serving(cfg, torch.bfloat16):
-        pytest.skip(f"{name} does not serve {fmt} here")
+    cfg = _served_config(name, fmt)
     step, x, attn, plan = _run(name, cfg, torch.bfloat16, [0, 100, 700, 2000], [3, 1, 4, 16], seed=8)
     q, k, v = (strided_last(t) for t in (x.q, x.k, x.v))
     out, lse = attn(q, k, v, strided_pages(x.k_cache), strided_pages(x.v_cache), plan, return_lse=True)
