@@ -1,24 +1,42 @@
 """Dense masked attention in float32: the reference backend's maths, and every backend's tree query pass.
 
-``dense_query`` pads each request's queries to (B, max_q_len) and attends with
-an explicit mask (no host sync: a graph may capture it); slow but simple and exact. A module of its own because both
-reference.py and the backends' base (the tree-mask fallback of
-``AttentionBackend.query``) use it.
+Requests are attended in groups, each padded to its longest request, with an
+explicit mask; slow but simple and exact. The reference backend groups them
+by length at plan time; ``dense_query`` (every backend's tree-mask fallback,
+no host sync: a graph may capture it) puts all in one group. A module of its
+own because both reference.py and the backends' base use it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from einops import rearrange
 
+from twostage_mla.backends._paged import empty_state
 from twostage_mla.plan import StepPlan
 
+State = tuple[torch.Tensor, torch.Tensor]
 
-def pad(x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-    """(T, ...) -> (B, max_q_len, ...), zeros where a request has fewer tokens."""
-    out = x.new_zeros((plan.batch_size, plan.max_q_len, *x.shape[1:]))
-    out[plan.token_request, plan.token_offset] = x
-    return out
+
+@dataclass(frozen=True)
+class Group:
+    """Requests attended together, padded to the longest of them."""
+
+    requests: torch.Tensor  # (G,) int64
+    tokens: torch.Tensor  # (G, Sq) int64: request's j-th token in q (0 past its end)
+    token_ok: torch.Tensor  # (G, Sq) bool
+    slots: torch.Tensor | None = None  # (G, Sk) int64 flat cache slots (0 past its local context): context pass
+    key_ok: torch.Tensor | None = None  # (G, Sk) bool
+
+
+def token_group(plan: StepPlan, requests: torch.Tensor, width: int) -> Group:
+    """The group of ``requests`` (G,) int64, their tokens padded to ``width`` (no host sync)."""
+    j = torch.arange(width, device=requests.device)
+    token_ok = j[None] < plan.q_lens.long()[requests, None]
+    tokens = torch.where(token_ok, plan.query_start_loc.long()[requests, None] + j[None], 0)
+    return Group(requests, tokens, token_ok)
 
 
 def dense_attention(
@@ -51,19 +69,35 @@ def dense_attention(
     return rearrange(o, "b k g s d -> b s (k g) d"), rearrange(lse, "b k g s -> b s (k g)")
 
 
-def dense_query(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_group(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, g: Group, scale: float, out: State
+) -> None:
+    """The group's queries (from q (T, H, D)) over k (G, Sk, H_kv, D), v (G, Sk, H_kv, Dv) under
+    mask (G, Sq, Sk); their rows written into out = (o (T, H, Dv), lse (T, H) float32)."""
+    og, lg = dense_attention(q[g.tokens], k, v, mask, scale)
+    at = g.tokens[g.token_ok]
+    out[0][at], out[1][at] = og[g.token_ok].to(out[0].dtype), lg[g.token_ok]
+
+
+def query_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan, g: Group, scale: float,
+                out: State) -> None:  # fmt: skip
+    """The query pass of the group's requests, causal or plan.query_mask (a tree), into out."""
+    n = g.tokens.shape[1]
+    if plan.query_mask is None:
+        sees = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None]
+    else:  # a mask may be wider than the step (a fixed buffer's): each request's top-left corner
+        sees = plan.query_mask[g.requests, :n, :n]
+    attend_group(q, k[g.tokens], v[g.tokens], sees & g.token_ok[:, None, :], g, scale, out)
+
+
+def dense_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan, scale: float) -> State:
     """The query pass, dense: causal per request, or plan.query_mask (a tree).
 
     q: (T, H, D); k: (T, H_kv, D); v: (T, H_kv, Dv).
-    returns o (T, H, Dv) q.dtype, lse (T, H) float32.
+    returns o (T, H, Dv) q.dtype, lse (T, H) float32. Every request in one
+    group, padded to max_q_len: no host sync.
     """
-    mask = plan.query_mask
-    if mask is None:
-        j = torch.arange(plan.max_q_len, device=q.device)
-        mask = (j[None, :] <= j[:, None]).expand(plan.batch_size, -1, -1)
-    else:  # a mask may be wider than the step (a fixed buffer's): its top-left corner
-        mask = mask[: plan.batch_size, : plan.max_q_len, : plan.max_q_len]
-    o, lse = dense_attention(pad(q, plan), pad(k, plan), pad(v, plan), mask, scale)
-    return o[plan.token_request, plan.token_offset].to(q.dtype), lse[plan.token_request, plan.token_offset]
+    out = empty_state(q.shape[0], q.shape[1], v.shape[-1], q)
+    every = torch.arange(plan.batch_size, device=q.device)
+    query_group(q, k, v, plan, token_group(plan, every, plan.max_q_len), scale, out)
+    return out
