@@ -55,6 +55,8 @@ def test_grid_arguments():
     bench.add_arguments(p)
     a = p.parse_args(["--context", "1K,8k,32768", "--quick"])
     assert a.context == [1024, 8192, 32768] and a.quick and a.batch is None
+    with pytest.raises(argparse.ArgumentTypeError, match=r"whole numbers, each maybe with K .* got '1M'"):
+        bench._ints("1M")
 
 
 def test_bad_options_are_refused_by_name():

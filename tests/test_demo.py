@@ -22,7 +22,7 @@ def test_demo_json(dtype, tol):
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["world_size"] == 2 and report["backend"] == "reference" and report["dtype"] == dtype
-    assert 0 < report["max_rel_err"] <= tol
+    assert 0 < report["max_rel_err"] <= tol and report["ok"]
     assert set(report["phase_us"]) >= {"twostage.query_pass", "twostage.context_pass", "twostage.combine"}
 
 
@@ -85,12 +85,37 @@ def test_report_says_what_an_eager_collective_time_holds():
         tokens=3,
         max_abs_err=1e-3,
         max_rel_err=4e-3,
+        ok=True,
+        tolerance=2e-2,
         plan_ms=2.0,
         layer_ms=1.0,
         phase_us={"twostage.combine": 600.0},
     )
     assert "waiting for the other ranks" in format_report(r)
     assert "waiting" not in format_report({**r, "dist_backend": "gloo"})
+    assert "4.000e-03  ok" in format_report(r)
+    assert "FAIL (> 0.02)" in format_report({**r, "max_rel_err": 0.5, "ok": False})
+
+
+def test_demo_exits_1_when_the_error_is_past_the_tolerance(monkeypatch, capsys):
+    from twostage_mla import cli, demo
+
+    report = dict(ok=False, tolerance=1e-5, max_rel_err=float("nan"))
+    monkeypatch.setattr(demo, "run_demo", lambda args: report)
+    monkeypatch.setattr(cli, "run_demo", lambda args: report)
+    assert cli.main(["demo", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["ok"] is False
+
+
+@pytest.mark.parametrize(
+    "batch,max_q_len,q_lens",
+    [(1, 8, [8]), (2, 8, [1, 8]), (3, 8, [1, 4, 8]), (8, 8, [1, 2, 3, 4, 5, 6, 7, 8]), (5, 2, [1, 2, 1, 2, 1])],
+)
+def test_demo_step_always_has_the_longest_request(batch, max_q_len, q_lens):
+    from twostage_mla.demo import DemoArgs, _step_shape
+
+    ctx, ql = _step_shape(DemoArgs(batch=batch, max_q_len=max_q_len))
+    assert ql == q_lens and len(ctx) == batch
 
 
 def test_demo_help_describes_every_option():

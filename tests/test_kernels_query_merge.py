@@ -224,7 +224,8 @@ def test_fuse_query_needs_cuda():
     if DEVICE == "cuda":
         pytest.skip("CUDA present")
     cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
-    with pytest.raises(ValueError, match=r"fuse_query=False on cpu with torch.float32: the fused kernel needs CUDA"):
+    want = r"fuse_query None \(the default: fused where it runs\) or False on cpu with torch.float32, got True"
+    with pytest.raises(ValueError, match=want + ": the fused kernel needs CUDA"):
         TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32, fuse_query=True)
 
 

@@ -79,6 +79,16 @@ def test_kv_slots_refuse_a_table_too_narrow():
     assert kv_slots(pos[:2], torch.zeros(2, dtype=torch.long), table, 4, DCPLayout(2, 0, 4)).tolist() == [12, 20]
 
 
+def test_kv_slots_refuse_a_padding_entry_for_a_position_this_rank_owns():
+    # build_shard pads with -1: position 8 (rank 0's local slot 4, page column 1) would wrap to page -1.
+    table = torch.tensor([[3, -1]], dtype=torch.int32)
+    pos = torch.tensor([0, 4, 8])
+    with pytest.raises(ValueError, match=r"page id >= 0 in block_table\[0, 1\] for position 8, .* got -1"):
+        kv_slots(pos, torch.zeros(3, dtype=torch.long), table, 4, DCPLayout(2, 0, 4))
+    # position 4 belongs to rank 1: -1, whatever its column holds
+    assert kv_slots(pos[:2], torch.zeros(2, dtype=torch.long), table, 4, DCPLayout(2, 0, 4)).tolist() == [12, -1]
+
+
 def test_layout_rejects_bad_values():
     with pytest.raises(ValueError, match="world_size >= 1"):
         DCPLayout(0, 0, 1)

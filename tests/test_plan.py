@@ -70,12 +70,13 @@ def test_zero_query_request_and_empty_batch():
         (dict(qsl=[0, 1, 2], sl=[4]), r"query_start_loc.shape == \(B\+1,\) = \(2,\)"),
         (
             dict(qsl=[0, 1], sl=[100], pages=2),
-            r"at least 13 pages per request, got 2: request 0 keeps up to local_len\(seq_len=100\) = 50",
+            r"at least 13 pages per request on every rank, got 2: as wide as rank 0 needs \(request 0 keeps "
+            r"local_len\(seq_len=100\) = 50 tokens on rank 0.*pad the entries this rank does not use with -1",
         ),
         # rank 1 (this plan) needs 2 pages of 1 token, rank 0 needs 3: refused on every rank alike
         (
             dict(qsl=[0, 1], sl=[5], pages=2, page_size=1, layout=DCPLayout(2, 1, 1)),
-            r"at least 3 pages per request, got 2",
+            r"at least 3 pages per request on every rank, got 2: as wide as rank 0 needs",
         ),
         (dict(qsl=[0, 1], sl=[4], page_size=3), r"page_size to be a positive multiple of interleave = 2, got 3"),
         (dict(qsl=[0, 2], sl=[4], parents=torch.tensor([-1, 1])), r"parents\[t\] == -1 or 0 <= parents\[t\] <"),

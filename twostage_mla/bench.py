@@ -14,7 +14,7 @@ Methods (MLA, one rank, N = 1), for B requests of context C and Q new tokens:
 Times are medians of many CUDA-event-timed replays of a CUDA graph holding
 several back-to-back calls (so launch gaps do not count), after warm-up; the
 same buffers are reused, so the smallest shapes partly hit L2 (60 MB on H200).
-Writes a JSON list of records, prints a table and the issue's targets, and
+Writes a JSON list of records, prints a table and the speed targets (docs/performance.md), and
 plots time against C per method (matplotlib, if installed).
 """
 
@@ -38,7 +38,7 @@ from twostage_mla.layout import DCPLayout
 
 FULL = dict(batch=[1, 8, 32, 64], context=[1024, 8192, 32768, 131072], q_len=[1, 2, 4, 8], heads=[16, 128])
 QUICK = dict(batch=[32], context=[1024, 8192, 32768], q_len=[1, 4, 8], heads=[16, 128])
-TARGET = dict(B=32, Q=4, heads=16)  # the issue's target point
+TARGET = dict(B=32, Q=4, heads=16)  # where the speed targets are set
 
 
 def _ints(s: str) -> list[int]:
@@ -46,15 +46,20 @@ def _ints(s: str) -> list[int]:
     out = []
     for x in s.split(","):
         x = x.strip().lower()
-        if x:
-            out.append(int(x[:-1]) * 1024 if x.endswith("k") else int(x))
+        try:
+            if x:
+                out.append(int(x[:-1]) * 1024 if x.endswith("k") else int(x))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a comma list of whole numbers, each maybe with K (x 1024), e.g. 1K,8192, got {s!r}"
+            ) from None
     return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small grid (B=32, C up to 32K, Q in 1,4,8)")
     p.add_argument("--batch", type=_ints, default=None,
-                   help="comma list, e.g. 1,8,32,64 (default: the issue's grid, or --quick's)")
+                   help="comma list, e.g. 1,8,32,64 (default: the full grid, or --quick's)")
     p.add_argument("--context", type=_ints, default=None, help="comma list, e.g. 1K,8K,32K,128K (default: the grid's)")
     p.add_argument("--q-len", type=_ints, default=None, help="comma list, e.g. 1,2,4,8 (default: the grid's)")
     p.add_argument("--heads", type=_ints, default=None, help="comma list, e.g. 16,128 (default: the grid's)")
@@ -419,7 +424,7 @@ def format_table(records: list[dict]) -> str:
 
 
 def check_targets(records: list[dict]) -> str:
-    """The issue's targets at the measured points (B=32, Q=4 unless stated), PASS/MISS with the figure."""
+    """The speed targets (docs/performance.md) at the measured points (B=32, Q=4 unless stated): PASS/MISS."""
     idx = _index(records)
     copy = next((r["gbps"] for r in records if r["method"] == "copy"), float("nan"))
     fi = "flashinfer"

@@ -32,7 +32,8 @@ def build_shard(
         noise), so a kernel that reads past a request's length shows up;
         NaN imitates an engine's uninitialised cache.
     returns cache (P, page_size, H_kv, D) kv.dtype, block_table (B, max_pages) int32
-    (the same width on every rank; unused entries 0).
+    (the same width on every rank; unused entries -1, so that a write through one
+    is refused rather than landing on a live page).
     """
     if not isinstance(layout, DCPLayout):
         raise ValueError(f"expected layout to be a DCPLayout, got {type(layout).__name__}")
@@ -51,7 +52,7 @@ def build_shard(
     width = max(max((local_pages(s, n, i, 0, page_size) for s in sl), default=0), 1)
     total = max(sum(pages) + extra_pages, 1)  # a kernel needs at least one page to point at
     order = torch.randperm(total, generator=generator) if generator is not None else torch.arange(total)
-    block_table = torch.zeros(len(sl), width, dtype=torch.int32)
+    block_table = torch.full((len(sl), width), -1, dtype=torch.int32)
     used = 0
     for b, p in enumerate(pages):
         block_table[b, :p] = order[used : used + p].to(torch.int32)

@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             fail(str(e))
         print(json.dumps(report) if args.json else format_report(report))
+        return 0 if report["ok"] else 1
     return 0
 
 

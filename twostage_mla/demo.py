@@ -3,7 +3,9 @@
 Starts N processes (gloo on CPUs; NCCL with one GPU per rank where there are
 enough GPUs), gives each its shard of a paged MLA cache with DeepSeek-V2-Lite's
 dimensions, runs the two-stage layer, compares every rank's heads with the
-float64 oracle and reports the error and the time of each phase.
+float64 oracle and reports the error and the time of each phase. The error
+fails (``ok`` false; ``twostage-mla demo`` exits 1) past ``check``'s
+tolerance for the dtype.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from twostage_mla import synthetic
 from twostage_mla.backends import select_backend
-from twostage_mla.check import DTYPES
+from twostage_mla.check import DTYPES, TOLERANCE
 from twostage_mla.comm import COMBINE_METHODS
 from twostage_mla.layer import PHASES, AttentionConfig, TwoStageAttention, _spec
 from twostage_mla.layout import DCPLayout
@@ -44,7 +46,7 @@ class DemoArgs:
     batch: int = _opt(8, "requests in the step")
     min_context: int = _opt(1000, "shortest context of a request, in tokens")
     max_context: int = _opt(4000, "longest context of a request, in tokens")
-    max_q_len: int = _opt(8, "new tokens per request: 1 .. max_q_len, mixed in the batch")
+    max_q_len: int = _opt(8, "new tokens per request: 1 .. max_q_len mixed in the batch, max_q_len always present")
     dtype: str = _opt("auto", "auto (bfloat16 on GPUs, float32 on CPUs), float32, bfloat16, float16 (or fp32, ...)")
     combine: str = _opt("a2a", "cross-rank combine: a2a (one all-to-all) or ag_rs (all-gather + reduce-scatter)")
     backend: str = _opt("auto", "attention backend: auto (the fastest that serves) or one by name")
@@ -96,8 +98,13 @@ def _config(a: DemoArgs) -> AttentionConfig:
 def _step_shape(a: DemoArgs) -> tuple[list[int], list[int]]:
     g = torch.Generator().manual_seed(a.seed)
     ctx = torch.randint(a.min_context, a.max_context + 1, (a.batch,), generator=g).tolist()
-    # q_len 1 .. max_q_len, each value present when the batch is large enough.
-    ql = [1 + (i % a.max_q_len) for i in range(a.batch)]
+    # q_len 1 .. max_q_len: every value where the batch has room, else spread over it with the
+    # longest always present (a batch of one runs max_q_len tokens, not a plain decode).
+    b, m = a.batch, a.max_q_len
+    if b >= m:
+        ql = [1 + i % m for i in range(b)]
+    else:
+        ql = [m - round((b - 1 - i) * (m - 1) / max(b - 1, 1)) for i in range(b)]
     return ctx, ql
 
 
@@ -156,9 +163,12 @@ def _worker(rank: int, a: DemoArgs, device: str, init: str, out_path: str) -> No
                 if e.key in PHASES:
                     dev_us = getattr(e, "device_time_total", 0.0) if device == "cuda" else 0.0
                     phases[e.key] = (dev_us or e.cpu_time_total) / a.iters
+            rel, tol = err / ref.abs().max().item(), TOLERANCE[dtype]
             result = {
+                "ok": rel <= tol,  # NaN fails too
+                "tolerance": tol,
                 "max_abs_err": err,
-                "max_rel_err": err / ref.abs().max().item(),
+                "max_rel_err": rel,
                 "world_size": a.world_size,
                 "interleave": a.interleave,
                 "backend": attn.backend.name,
@@ -195,8 +205,9 @@ def run_demo(args: DemoArgs) -> dict:
         raise ValueError(f"expected world_size >= 1 dividing heads = {args.heads}, got world_size = {args.world_size}")
     # Everything a worker would refuse is checked here, before processes start.
     for name in ("interleave", "page_size", "batch", "max_q_len", "iters", "kv_lora_rank", "rope_dim"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"expected {name} >= 1, got {getattr(args, name)}")
+        lo = 0 if name == "rope_dim" else 1  # MLA without a rope part is still MLA (V = K)
+        if getattr(args, name) < lo:
+            raise ValueError(f"expected {name} >= {lo}, got {getattr(args, name)}")
     if args.page_size % args.interleave:
         raise ValueError(f"expected page_size to be a multiple of interleave = {args.interleave}, got {args.page_size}")
     if not 0 <= args.min_context <= args.max_context:
@@ -232,7 +243,8 @@ def format_report(r: dict) -> str:
         f"combine={r['combine']} dtype={r['dtype']} on {r['device']} ({r['dist_backend']})",
         f"  batch {r['batch']}, {r['heads_per_rank']} heads per rank, contexts {min(r['context_lens'])}.."
         f"{max(r['context_lens'])}, q_len {min(r['q_lens'])}..{max(r['q_lens'])} ({r['tokens']} tokens)",
-        f"  vs float64 oracle: max_abs_err {r['max_abs_err']:.3e}  max_rel_err {r['max_rel_err']:.3e}",
+        f"  vs float64 oracle: max_abs_err {r['max_abs_err']:.3e}  max_rel_err {r['max_rel_err']:.3e}  "
+        + ("ok" if r["ok"] else f"FAIL (> {r['tolerance']})"),
         f"  plan {r['plan_ms']:.2f} ms (once per step), layer {r['layer_ms']:.2f} ms (rank 0, wall clock)",
         "  phase                     time per layer (rank 0, profiler)",
     ]

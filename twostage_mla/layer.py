@@ -77,8 +77,9 @@ class AttentionConfig:
             raise ValueError(f"expected kv_format 'mla' or 'gqa', got {self.kv_format!r}")
         if self.kv_format == "mla" and (self.num_kv_heads != 1 or self.head_dim_v > self.head_dim):
             raise ValueError(
-                f"expected num_kv_heads == 1 and head_dim_v <= head_dim for MLA, got "
-                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, head_dim_v={self.head_dim_v}"
+                f"expected num_kv_heads == 1 and head_dim_v <= head_dim for MLA (kv_format='mla', the default; "
+                f"kv_format='gqa' for separate K and V heads), got num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, head_dim_v={self.head_dim_v}"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -185,7 +186,8 @@ class TwoStageAttention:
     then call it per layer. Example (one rank, CPU)::
 
         attn = TwoStageAttention(AttentionConfig.mla(num_heads=16, kv_lora_rank=512,
-                                 rope_dim=64, page_size=64, scale=0.1), DCPLayout())
+                                 rope_dim=64, page_size=64, scale=0.1), DCPLayout(),
+                                 dtype=torch.float32)
         plan = attn.plan(query_start_loc, seq_lens, block_table)
         out = attn(q, kv_new, None, kv_cache, None, plan)   # (T, 16, 512)
     """
@@ -275,8 +277,8 @@ class TwoStageAttention:
         fused = select_query_merge(self.spec)
         if fuse_query and fused is None:
             raise ValueError(
-                f"expected fuse_query=False on {self.device} with {dtype}: the fused kernel needs CUDA, Triton "
-                "and bf16 or fp16"
+                f"expected fuse_query None (the default: fused where it runs) or False on {self.device} with "
+                f"{dtype}, got True: the fused kernel needs CUDA, Triton and bf16 or fp16"
             )
         self.query_merge = fused if fuse_query in (None, True) else None
         self.backend.query_pass = self.query_merge is None

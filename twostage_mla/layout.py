@@ -103,10 +103,10 @@ def kv_slots(
     block_table: (B, max_pages) int32, this rank's pages per request.
     returns: (T,) int64; slot s means ``cache.view(-1, ...)[s]``, i.e. page
         ``s // page_size``, offset ``s % page_size``.
-    check: raise unless the table covers every position this rank owns (a
-        host sync); :class:`StepPlan` skips it, as :func:`plan_step` checked
-        the table's width. Unchecked, such a position maps to a wrong slot
-        (or to -1 with a table of no columns).
+    check: raise unless the table covers every position this rank owns with
+        a page id >= 0 (a host sync); :class:`StepPlan` skips it, as
+        :func:`plan_step` checked the table. Unchecked, such a position maps
+        to a wrong slot (or to -1 with a table of no columns).
 
     Use it to write the step's new K/V (or a prefill) into this rank's shard:
     ``keep = slots >= 0; cache.view(-1, H, D)[slots[keep]] = k[keep]`` for a
@@ -129,5 +129,11 @@ def kv_slots(
     # Positions owned elsewhere can index past this rank's table: clamp, then mask.
     col = (li // page_size).clamp(max=block_table.shape[1] - 1)
     page = block_table.long()[request.long(), col]
+    if check and bool((mine & (page < 0)).any()):  # a padding entry: its slot would wrap onto a live page
+        t = int((mine & (page < 0)).nonzero()[0])
+        raise ValueError(
+            f"expected a page id >= 0 in block_table[{int(request[t])}, {int(col[t])}] for position "
+            f"{int(positions[t])}, which this rank owns, got {int(page[t])}"
+        )
     slots = page * page_size + li % page_size
     return torch.where(mine, slots, torch.full_like(slots, -1))

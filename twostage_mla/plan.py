@@ -233,9 +233,10 @@ def plan_step(
     if b and max(need) > bt.shape[1]:
         i = need.index(max(need))
         raise ValueError(
-            f"expected block_table with at least {need[i]} pages per request, got "
-            f"{bt.shape[1]}: request {i} keeps up to local_len(seq_len={sl[i]}) = "
-            f"{local_len(sl[i], n, il, 0)} tokens on a rank at page_size {page_size}"
+            f"expected block_table with at least {need[i]} pages per request on every rank, got {bt.shape[1]}: "
+            f"as wide as rank 0 needs (request {i} keeps local_len(seq_len={sl[i]}) = "
+            f"{local_len(sl[i], n, il, 0)} tokens on rank 0, the most of any rank, at page_size {page_size}); "
+            "pad the entries this rank does not use with -1"
         )
     mine = [local_pages(s, n, il, r, page_size) for s in sl]
     used = torch.arange(bt.shape[1], device=bt.device)[None, :] < torch.tensor(mine, device=bt.device)[:, None]
