@@ -36,7 +36,7 @@ import torch.distributed as dist
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 from twostage_mla import AttentionConfig, DCPLayout, StepPlan, TwoStageAttention
-from twostage_mla.layout import kv_slots, local_len
+from twostage_mla.layout import kv_slots, local_pages
 
 # torch >= 2.12 names it all_gather_single; older releases only all_gather_into_tensor.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -98,13 +98,13 @@ class PagedLatentCache:
         seed: int = 0,
     ) -> None:
         n, r, i = layout.world_size, layout.rank, layout.interleave
-        pages = [-(-local_len(s, n, i, r) // page_size) for s in max_seq_lens]
+        pages = [local_pages(s, n, i, r, page_size) for s in max_seq_lens]
         total = max(sum(pages), 1)
         g = torch.Generator().manual_seed(seed + 1000 * r)
         order = torch.randperm(total, generator=g)
         # The same width on every rank: what rank 0 (the rank holding the most) needs.
-        width = max(max(-(-local_len(s, n, i, 0) // page_size) for s in max_seq_lens), 1)
-        table = torch.zeros(len(pages), width, dtype=torch.int32)
+        width = max(max(local_pages(s, n, i, 0, page_size) for s in max_seq_lens), 1)
+        table = torch.full((len(pages), width), -1, dtype=torch.int32)  # -1: a page this rank does not use
         used = 0
         for b, p in enumerate(pages):
             table[b, :p] = order[used : used + p].to(torch.int32)

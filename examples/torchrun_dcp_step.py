@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention, oracle_attention
-from twostage_mla.layout import kv_slots, local_len
+from twostage_mla.layout import kv_slots, local_pages
 
 p = argparse.ArgumentParser(description="One DCP step with draft tokens; start it with torchrun.")
 p.add_argument("--cuda", action="store_true", help="NCCL, one GPU a rank (default: gloo on CPUs)")
@@ -58,10 +58,10 @@ query_start_loc = torch.tensor([0, 4, 5, 13], dtype=torch.int32)
 all_kv = [torch.randn(int(n), 1, D).to(dtype) for n in seq_lens]  # stands in for the model's latents
 q_all_heads = torch.randn(13, HEADS, D).to(dtype)  # absorbed queries of all heads
 
-# --- this rank's paged cache: pages for local_len(seq_len) slots per request --------------
-pages = [-(-local_len(int(s), world, args.interleave, rank) // PAGE) for s in seq_lens]
-width = max(-(-local_len(int(s), world, args.interleave, 0) // PAGE) for s in seq_lens)  # same on every rank
-block_table = torch.zeros(len(pages), width, dtype=torch.int32)
+# --- this rank's paged cache: local_pages(seq_len) pages per request ----------------------
+pages = [local_pages(int(s), world, args.interleave, rank, PAGE) for s in seq_lens]
+width = max(local_pages(int(s), world, args.interleave, 0, PAGE) for s in seq_lens)  # same on every rank
+block_table = torch.full((len(pages), width), -1, dtype=torch.int32)  # -1: a page this rank does not use
 next_page = 0
 for b, n in enumerate(pages):  # a real engine's allocator hands these out
     block_table[b, :n] = torch.arange(next_page, next_page + n)

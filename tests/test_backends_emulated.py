@@ -382,6 +382,16 @@ def test_a_release_older_than_the_backend_was_written_for_is_refused(monkeypatch
         read_once.cache_clear()
 
 
+def test_a_stub_module_without_a_spec_does_not_break_the_registry(monkeypatch):
+    # Test doubles put modules with no __spec__ into sys.modules, where find_spec raises ValueError.
+    import types
+
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", types.ModuleType("flash_attn_interface"))
+    spec = AttentionSpec("mla", 2, 1, 48, 32, 16, 1, 0.2, torch.float32, torch.device("cpu"))
+    assert not any("flash_attn_interface" in why for why in FlashAttn3Backend.environment_problems(spec))
+    assert select_backend(spec, "auto") is ReferenceBackend  # FA3 is there, but serves no CPU
+
+
 def test_fa3_declares_only_the_head_dims_its_kernel_takes():
     # FA3's mha_fwd takes a V head dim other than K's only in two ranges: others are refused at selection.
     def spec(d, dv):

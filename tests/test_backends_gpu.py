@@ -215,11 +215,16 @@ def _graph(fn):
     return g, out
 
 
-@pytest.mark.parametrize("name", [n for n in backend_names() if n != "reference"])
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("fuse", [False, True], ids=["backend-query", "fused-query"])
+@pytest.mark.parametrize("name", [n for n in backend_names()])
 @pytest.mark.parametrize("fmt", ["mla", "gqa"])
-def test_cuda_graph_replay_matches_eager(name, fmt):
+def test_cuda_graph_replay_matches_eager(name, fmt, fuse, tree):
+    # Unfused tree steps take the dense query pass (every backend's fallback), the reference backend
+    # takes it always: both must capture, i.e. make no host sync (a boolean index would).
     cfg = _served_config(name, fmt)
-    step, x, attn, plan = _run(name, cfg, torch.bfloat16, [0, 63, 700, 2000], [4, 1, 8, 3], seed=2)
+    step, x, attn, plan = _run(name, cfg, torch.bfloat16, [0, 63, 700, 2000], [4, 1, 8, 3], seed=2, tree=tree,
+                               fuse=fuse)  # fmt: skip
     eager, eager_lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
     g, (out, lse) = _graph(lambda: attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True))
     for _ in range(50):

@@ -95,6 +95,8 @@ def test_report_says_what_an_eager_collective_time_holds():
     assert "waiting" not in format_report({**r, "dist_backend": "gloo"})
     assert "4.000e-03  ok" in format_report(r)
     assert "FAIL (> 0.02)" in format_report({**r, "max_rel_err": 0.5, "ok": False})
+    fused = {**r, "fused_query": True, "phase_us": {"twostage.query_pass": 0.0, "twostage.merge": 5.0}}
+    assert "twostage.query_pass        (in the merge: one fused kernel)" in format_report(fused)
 
 
 def test_demo_exits_1_when_the_error_is_past_the_tolerance(monkeypatch, capsys):

@@ -297,6 +297,8 @@ def test_config_errors():
         AttentionConfig(4, 16, 16, 4, 0.1, 3, "gqa")
     with pytest.raises(ValueError, match="num_kv_heads == 1 and head_dim_v <= head_dim for MLA .*kv_format='gqa'"):
         AttentionConfig(4, 16, 16, 4, 0.1, 2, "mla")
+    with pytest.raises(ValueError, match=r"device to be a torch.device or a string like 'cuda:0', got 'gpu0'"):
+        TwoStageAttention(AttentionConfig(4, 16, 16, 4, 0.1), DCPLayout(), device="gpu0")
     with pytest.raises(ValueError, match="kv_format 'mla' or 'gqa'"):
         AttentionConfig(4, 16, 16, 4, 0.1, 1, "mha")
     with pytest.raises(ValueError, match="num_heads to be a positive int, got 0"):
@@ -381,3 +383,44 @@ def test_num_pages_must_be_a_positive_int():
         with pytest.raises(ValueError, match=r"num_pages to be None or a positive int, got"):
             attn.plan(x.query_start_loc, x.seq_lens, x.block_table, num_pages=bad)
     attn.plan(x.query_start_loc, x.seq_lens, x.block_table, num_pages=x.k_cache.shape[0])
+
+
+class _HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops that read a tensor's values on the host (a sync on CUDA, refused in capture)."""
+
+    SYNCS = {torch.ops.aten.nonzero.default, torch.ops.aten._local_scalar_dense.default,
+             torch.ops.aten.masked_select.default}  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        index = args[1] if func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default) else ()
+        if func in self.SYNCS or any(i is not None and i.dtype == torch.bool for i in index):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("fmt", ["mla", "gqa"])
+def test_a_layer_call_reads_nothing_on_the_host(fmt, tree):
+    # The docs promise a layer call capturable in a CUDA graph: no op may read values on the host.
+    # The reference backend's grouped passes (also every backend's dense tree fallback) once picked
+    # their rows out with boolean masks, a nonzero each.
+    step, x, attn, plan = _mixed_step(fmt, tree)
+    with _HostSyncs() as mode:
+        out = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan)
+    assert mode.seen == [] and torch.isfinite(out).all()
+    ref, _ = synthetic.oracle(step, attn.config.scale)
+    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def _mixed_step(fmt: str, tree: bool):
+    mla = fmt == "mla"
+    cfg = AttentionConfig(4, 24, 16, 4, 0.2, 1 if mla else 2, fmt)
+    step = synthetic.make_step([0, 3, 9, 17], [2, 5, 1, 3], heads=4, head_dim=24, head_dim_v=16,
+                               kv_heads=cfg.num_kv_heads, mla=mla, tree=tree, dtype=torch.float32, seed=3)  # fmt: skip
+    x = synthetic.rank_inputs(step, DCPLayout(), 4, mla=mla, dtype=torch.float32, device="cpu", seed=3)
+    attn = TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32)
+    return step, x, attn, attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)

@@ -140,3 +140,10 @@ def test_negative_page_ids_in_use_are_refused():
     bt[1, 0] = -1
     with pytest.raises(ValueError, match=r"page ids >= 0 in the first 1 entries of block_table\[1\], got \[-1\]"):
         plan_step(torch.tensor([0, 1, 2], **I32), torch.tensor([4, 10], **I32), bt, page_size=4, layout=LAYOUT)
+
+
+def test_metadata_without_values_is_refused_by_name():
+    meta = dict(device="meta", dtype=torch.int32)
+    with pytest.raises(ValueError, match="expected query_start_loc, seq_lens and block_table with values, got meta"):
+        plan_step(torch.zeros(2, **meta), torch.zeros(1, **meta), torch.zeros(1, 1, **meta), page_size=4,
+                  layout=DCPLayout())  # fmt: skip

@@ -31,14 +31,19 @@ from typing import Any
 
 import torch
 
-from twostage_mla.backends import AttentionSpec, backend_names, refusals
+from twostage_mla.backends import backend_names, refusals
 from twostage_mla.backends._paged import page_lists
-from twostage_mla.layer import AttentionConfig, TwoStageAttention
+from twostage_mla.layer import AttentionConfig, TwoStageAttention, _spec
 from twostage_mla.layout import DCPLayout
 
 FULL = dict(batch=[1, 8, 32, 64], context=[1024, 8192, 32768, 131072], q_len=[1, 2, 4, 8], heads=[16, 128])
 QUICK = dict(batch=[32], context=[1024, 8192, 32768], q_len=[1, 4, 8], heads=[16, 128])
 TARGET = dict(B=32, Q=4, heads=16)  # where the speed targets are set
+
+
+def _scale(args: argparse.Namespace) -> float:
+    """1/sqrt(D), as for random data; the timing does not depend on it."""
+    return (args.kv_lora_rank + args.rope_dim) ** -0.5
 
 
 def _ints(s: str) -> list[int]:
@@ -122,7 +127,7 @@ def time_many(fns: dict[str, Callable[[], Any]], *, graph: bool = True, slow_ms:
     clock or thermal drift hits all methods alike and their ratios hold. A fn
     slower than slow_ms runs eagerly, 3 times.
     """
-    runs: dict[str, tuple[Callable[[], Any], int, bool]] = {}
+    runs: dict[str, tuple[Callable[[], Any], int, bool, float]] = {}  # fn, calls per run, graphed, est. us
     keep = []  # graphs must outlive the rounds
     for name, fn in fns.items():
         for _ in range(2):
@@ -226,9 +231,9 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
             grid[k] = getattr(args, k)
     dt, dev, ps = torch.bfloat16, torch.device("cuda", 0), args.page_size
     dv, d = args.kv_lora_rank, args.kv_lora_rank + args.rope_dim
-    scale = (128 + args.rope_dim) ** -0.5  # DeepSeek's (qk_nope 128 + rope 64)^-0.5; any positive value works
+    scale = _scale(args)
     meta = {**_versions(), "date": datetime.date.today().isoformat(), "page_size": ps, "dtype": "bfloat16",
-            "graph": not args.no_graph}
+            "head_dim": d, "head_dim_v": dv, "graph": not args.no_graph}
     bw = copy_bandwidth_gbs()
     print(f"{meta['gpu']}: device copy {bw:.0f} GB/s (read + write); torch {meta['torch']}, "
           f"flashinfer {meta['flashinfer']}", flush=True)
@@ -237,7 +242,8 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
                             "heads": None, "N": 1, "time_us": None, "gbps": bw}]
 
     def backends_for(h: int) -> list[str]:
-        spec = AttentionSpec("mla", h, 1, d, dv, ps, 1, scale, dt, dev)
+        spec = _spec(AttentionConfig.mla(num_heads=h, kv_lora_rank=dv, rope_dim=args.rope_dim, page_size=ps,
+                                         scale=scale), 1, dt, dev)  # fmt: skip
         ok = [n for n, why in refusals(spec).items() if not why and n != "reference"]
         if asked is None:
             return ok
@@ -286,7 +292,7 @@ def _measure_point(records, meta, args, methods, layers, slow, backends_for, cac
     """Time every method at one grid point (B=b, C=c, Q=q, heads=h); append records."""
     dt, dev, ps = torch.bfloat16, cache.device, cache.shape[1]
     dv, d = args.kv_lora_rank, args.kv_lora_rank + args.rope_dim
-    scale = (128 + args.rope_dim) ** -0.5
+    scale = _scale(args)
     graph = not args.no_graph
     t = b * q
     qx = torch.randn(t, h, d, generator=gen, device=dev, dtype=dt)
@@ -363,16 +369,15 @@ def _measure_point(records, meta, args, methods, layers, slow, backends_for, cac
 def _twostage_fns(name: str, attn: TwoStageAttention, plan: Any, qx, kx, cache) -> dict[str, Callable[[], Any]]:
     """The layer call, its context pass alone and its query pass alone, for one planned step."""
     dv = attn.config.head_dim_v
-    k = kx
     fns = {
         f"{name}:full": lambda: attn(qx, kx, None, cache, None, plan),
         f"{name}:context": lambda: attn.backend.context(qx, cache, cache[..., :dv], plan),
     }
     if attn.query_merge is None:  # a separate query pass to time (fused: it lives in the merge kernel)
-        fns[f"{name}:query"] = lambda: attn.backend.query(qx, k, k[..., :dv], plan)
+        fns[f"{name}:query"] = lambda: attn.backend.query(qx, kx, kx[..., :dv], plan)
     else:  # the fused kernel alone, on the context pass's state: the overhead without the noise of a difference
         o_c, lse_c = attn.backend.context(qx, cache, cache[..., :dv], plan)
-        fns[f"{name}:rest"] = lambda: attn.query_merge(qx, k, k[..., :dv], plan, o_c[None], lse_c[None],
+        fns[f"{name}:rest"] = lambda: attn.query_merge(qx, kx, kx[..., :dv], plan, o_c[None], lse_c[None],
                                                        scale=attn.config.scale, out_dtype=attn.dtype)
     return fns
 
@@ -509,7 +514,8 @@ def plot_records(records: list[dict], path: str) -> bool:
         ax.set_yscale("log")
         ax.set_xlabel("context length C (tokens)")
         ax.set_ylabel("time per layer (us)")
-        ax.set_title(f"MLA 576/512, B={b}, Q={q}, {h} heads, bf16")
+        dims = f"{pts[0].get('head_dim', '?')}/{pts[0].get('head_dim_v', '?')}"
+        ax.set_title(f"MLA {dims}, B={b}, Q={q}, {h} heads, bf16")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     gpu = pts[0].get("gpu", "")

@@ -21,7 +21,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}  # fmt: skip
 
-# (label, config, kv_format): small but real head dims, MLA at DeepSeek's 576/512.
+# (label, config): small but real head dims, MLA at DeepSeek's 576/512.
 SHAPES = [
     ("mla 576/512", AttentionConfig.mla(num_heads=16, kv_lora_rank=512, rope_dim=64, page_size=64, scale=576**-0.5)),
     ("gqa 128", AttentionConfig(8, 128, 128, 16, 128**-0.5, num_kv_heads=2, kv_format="gqa")),
@@ -88,7 +88,3 @@ HEADER = f"{'backend':<16}{'shape':<14}{'dtype':<10}{'max_rel_err':>12}  status"
 def format_row(r: dict) -> str:
     err = f"{r['max_rel_err']:.2e}" if "max_rel_err" in r else "-"
     return f"{r['backend']:<16}{r['shape']:<14}{r['dtype']:<10}{err:>12}  {r['status']}"
-
-
-def format_rows(rows: list[dict]) -> str:
-    return "\n".join([HEADER] + [format_row(r) for r in rows])

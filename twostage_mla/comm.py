@@ -12,6 +12,9 @@ is free of host synchronisation (usable under CUDA graph capture).
 
 from __future__ import annotations
 
+import hashlib
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from einops import rearrange
@@ -26,6 +29,19 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 AGREE_KINDS = ("layer", "step")  # what the ranks agree on: a layer when built, a step when planned
+
+
+def digest(*parts: Any) -> int:
+    """A signed 64-bit digest of parts (tensors by their int64 values, the rest by repr).
+
+    The ranks compare digests of the step and the layer in one small all-reduce instead of the
+    whole tensors; unlike a sum, no likely difference between ranks maps to the same value.
+    """
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        h.update(p.long().cpu().numpy().tobytes() if isinstance(p, torch.Tensor) else repr(p).encode())
+        h.update(b"|")
+    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 def agree(kind: str, row: list[int], group: dist.ProcessGroup, device: torch.device | str | None) -> list[list[int]]:

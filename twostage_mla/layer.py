@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import math
 import numbers
 from collections.abc import Callable
@@ -138,19 +137,6 @@ def _on_device(method: Callable) -> Callable:
     return on_device
 
 
-def _digest(*parts: Any) -> int:
-    """A signed 64-bit digest of parts (tensors by their int64 values, the rest by repr).
-
-    The ranks compare digests of the step and the layer in one small all-reduce instead of the
-    whole tensors; unlike a sum, no likely difference between ranks maps to the same value.
-    """
-    h = hashlib.blake2b(digest_size=8)
-    for p in parts:
-        h.update(p.long().cpu().numpy().tobytes() if isinstance(p, torch.Tensor) else repr(p).encode())
-        h.update(b"|")
-    return int.from_bytes(h.digest(), "little", signed=True)
-
-
 class TwoStageAttention:
     """Exact DCP attention for q_len >= 1 from a non-causal and a causal pass.
 
@@ -169,7 +155,7 @@ class TwoStageAttention:
         after later plans of the same B and T. Only a backend that can do so
         serves them (flashinfer); with the fused query pass a plan stays valid
         until the next plan() of the layer that made it (unfused, FlashInfer
-        keeps one plan per B). Without them a captured graph is valid for the
+        keeps one plan per B for MLA, per (B, T) for GQA). Without them a captured graph is valid for the
         plan it was captured with.
     max_q_len: with those three, the most tokens of one request in any step
         (default max_tokens). With the fused query pass and max_q_len <= 16
@@ -257,7 +243,11 @@ class TwoStageAttention:
         self.config, self.layout, self.group, self.combine = config, layout, group, combine
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"expected dtype to be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
-        self.dtype, self.device = dtype, torch.device(device)
+        try:
+            self.dtype, self.device = dtype, torch.device(device)
+        except (RuntimeError, TypeError):
+            want = "a torch.device or a string like 'cuda:0'"
+            raise ValueError(f"expected device to be {want}, got {device!r}") from None
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"expected device {str(self.device)!r} to exist, but torch.cuda.is_available() is False")
         if self.device.type == "cpu":  # "cpu:0" is "cpu": tensors on the CPU report no index
@@ -290,7 +280,7 @@ class TwoStageAttention:
         # What every rank's layer must share, agreed in __init__ (the backend may differ: same maths).
         # By value, not repr: scale=1 and scale=1.0 (or a numpy float) are the same layer.
         layer = [float(v).hex() if f.name == "scale" else v for f in fields(config) for v in [getattr(config, f.name)]]
-        self._layer_digest = _digest(*layer, layout.world_size, layout.interleave, combine, dtype)
+        self._layer_digest = comm.digest(*layer, layout.world_size, layout.interleave, combine, dtype)
 
     @property
     def _made_for(self) -> tuple[bool, CaptureLimits]:
@@ -343,7 +333,7 @@ class TwoStageAttention:
         if plan is None:
             row = [1, 0, 0, 0]
         else:
-            row = [0, plan.num_tokens, plan.batch_size, _digest(plan.query_start_loc, plan.seq_lens, parents)]
+            row = [0, plan.num_tokens, plan.batch_size, comm.digest(plan.query_start_loc, plan.seq_lens, parents)]
         rows = comm.agree("step", row, self.group, self.device)
         refused = [r for r, row in enumerate(rows) if row[0]]
         if not refused and len({tuple(row) for row in rows}) == 1:
@@ -390,7 +380,9 @@ class TwoStageAttention:
                 f"expected requests of at most max_q_len = {limits.longest_request} tokens (capture limits), "
                 f"got one of {plan.max_q_len}"
             )
-        state = self.backend.plan(plan)  # checks the step against the limits
+        # B and T sized the layer's own fixed buffers below; pages are the backend's (it checks them).
+        limits.check(max_batch_size=plan.batch_size, max_tokens=plan.num_tokens)
+        state = self.backend.plan(plan)
         if limits.given and self.query_merge is not None:
             plan = self._into_fixed_buffers(plan, masked)
         return replace(plan, backend=self.backend.name, backend_state=state, spec=self.spec, made_for=self._made_for)
@@ -421,30 +413,9 @@ class TwoStageAttention:
         version = (self._fixed_count, self._fixed_count[0])
         return replace(plan, fixed_version=version, fused_plan=replace(plan, **fixed))
 
-    @_on_device
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor | None,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor | None,
-        plan: StepPlan,
-        *,
-        return_lse: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Attention of the step's queries over context + new tokens, local heads.
-
-        q: (T, H, D) dtype, this rank's heads (MLA: absorbed queries).
-        k: (T, H_kv, D) dtype, the step's fresh keys (MLA: the latent + rope).
-        v: (T, H_kv, Dv) dtype; None for MLA (V = k[..., :Dv]).
-        k_cache: (P, page_size, H_kv, D) dtype, this rank's shard.
-        v_cache: (P, page_size, H_kv, Dv) dtype; None for MLA.
-        plan: from :meth:`plan` for this step.
-        returns out (T, H, Dv) dtype, and lse (T, H) float32 if return_lse.
-
-        No host synchronisation: capturable in a CUDA graph once planned.
-        """
+    def _checked(self, q, k, v, k_cache, v_cache, plan: StepPlan) -> tuple[torch.Tensor, ...]:
+        """The layer call's arguments checked against the config and the plan (no communication, no
+        host sync), as (q, k, v, v_cache) with stride 1 in the head dim (MLA: v and v_cache views of K)."""
         ok = isinstance(plan, StepPlan) and (plan.backend, plan.spec, plan.layout, plan.made_for) == (
             self.backend.name,
             self.spec,
@@ -494,6 +465,34 @@ class TwoStageAttention:
         # where they are not; the caches never are (checked above).
         q, k = _unit_stride(q), _unit_stride(k)
         v = k[..., :dv] if cfg.kv_format == "mla" else _unit_stride(v)
+        return q, k, v, v_cache
+
+    @_on_device
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        plan: StepPlan,
+        *,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention of the step's queries over context + new tokens, local heads.
+
+        q: (T, H, D) dtype, this rank's heads (MLA: absorbed queries).
+        k: (T, H_kv, D) dtype, the step's fresh keys (MLA: the latent + rope).
+        v: (T, H_kv, Dv) dtype; None for MLA (V = k[..., :Dv]).
+        k_cache: (P, page_size, H_kv, D) dtype, this rank's shard.
+        v_cache: (P, page_size, H_kv, Dv) dtype; None for MLA.
+        plan: from :meth:`plan` for this step.
+        returns out (T, H, Dv) dtype, and lse (T, H) float32 if return_lse.
+
+        No host synchronisation: capturable in a CUDA graph once planned.
+        """
+        q, k, v, v_cache = self._checked(q, k, v, k_cache, v_cache, plan)
+        cfg, t, hk, dv = self.config, plan.num_tokens, self.config.num_kv_heads, self.config.head_dim_v
         if t == 0:  # every rank of the group has the step's T: all return here, none waits in a collective
             out = q.new_zeros((0, cfg.num_heads, dv))
             lse = torch.zeros((0, cfg.num_heads), dtype=torch.float32, device=self.device)

@@ -216,14 +216,16 @@ def plan_step(
     sl_t = _int_tensor("seq_lens", seq_lens, 1)
     bt = _int_tensor("block_table", block_table, 2)
     _check_page_size(page_size, layout)
-    qsl, sl, q_lens = _step_lengths(qsl_t, sl_t)
-    b = len(sl)
-    if bt.shape[0] != b:
-        raise ValueError(f"expected block_table.shape[0] == B = {b}, got {tuple(bt.shape)}")
     device = qsl_t.device
     for name, t in (("seq_lens", sl_t), ("block_table", bt)):
         if t.device != device:
             raise ValueError(f"expected {name} on {device} like query_start_loc, got {t.device}")
+    if device.type == "meta":  # read on the host below: a meta tensor has no values
+        raise ValueError("expected query_start_loc, seq_lens and block_table with values, got meta tensors")
+    qsl, sl, q_lens = _step_lengths(qsl_t, sl_t)
+    b = len(sl)
+    if bt.shape[0] != b:
+        raise ValueError(f"expected block_table.shape[0] == B = {b}, got {tuple(bt.shape)}")
 
     n, r, il = layout.world_size, layout.rank, layout.interleave
     # Width is checked against rank 0's need (the largest of any rank), so a

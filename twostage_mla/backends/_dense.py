@@ -2,9 +2,12 @@
 
 Requests are attended in groups, each padded to its longest request, with an
 explicit mask; slow but simple and exact. The reference backend groups them
-by length at plan time; ``dense_query`` (every backend's tree-mask fallback,
-no host sync: a graph may capture it) puts all in one group. A module of its
-own because both reference.py and the backends' base use it.
+by length at plan time; ``dense_query`` (every backend's tree-mask fallback)
+puts all in one group. No host sync once the groups are built, so a graph may
+capture a layer call: padded tokens are written to a spare row T of the
+output (``group_state``) rather than picked out with a boolean mask (a
+``nonzero``, a sync). A module of its own because both reference.py and the
+backends' base use it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class Group:
     requests: torch.Tensor  # (G,) int64
     tokens: torch.Tensor  # (G, Sq) int64: request's j-th token in q (0 past its end)
     token_ok: torch.Tensor  # (G, Sq) bool
+    dest: torch.Tensor  # (G, Sq) int64: the output row of each, T (the spare row) past its end
     slots: torch.Tensor | None = None  # (G, Sk) int64 flat cache slots (0 past its local context): context pass
     key_ok: torch.Tensor | None = None  # (G, Sk) bool
 
@@ -36,7 +40,13 @@ def token_group(plan: StepPlan, requests: torch.Tensor, width: int) -> Group:
     j = torch.arange(width, device=requests.device)
     token_ok = j[None] < plan.q_lens.long()[requests, None]
     tokens = torch.where(token_ok, plan.query_start_loc.long()[requests, None] + j[None], 0)
-    return Group(requests, tokens, token_ok)
+    return Group(requests, tokens, token_ok, torch.where(token_ok, tokens, plan.num_tokens))
+
+
+def group_state(t: int, h: int, dv: int, like: torch.Tensor) -> State:
+    """The empty state of t tokens with a spare row t, where groups write their padding: pass it
+    to :func:`attend_group` / :func:`query_group`, then keep ``o[:t], lse[:t]``."""
+    return empty_state(t + 1, h, dv, like)
 
 
 def dense_attention(
@@ -73,10 +83,10 @@ def attend_group(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, g: Group, scale: float, out: State
 ) -> None:
     """The group's queries (from q (T, H, D)) over k (G, Sk, H_kv, D), v (G, Sk, H_kv, Dv) under
-    mask (G, Sq, Sk); their rows written into out = (o (T, H, Dv), lse (T, H) float32)."""
+    mask (G, Sq, Sk); their rows written into out = (o (T+1, H, Dv), lse (T+1, H) float32) from
+    :func:`group_state` (row T takes the padding)."""
     og, lg = dense_attention(q[g.tokens], k, v, mask, scale)
-    at = g.tokens[g.token_ok]
-    out[0][at], out[1][at] = og[g.token_ok].to(out[0].dtype), lg[g.token_ok]
+    out[0][g.dest], out[1][g.dest] = og.to(out[0].dtype), lg
 
 
 def query_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan, g: Group, scale: float,
@@ -97,7 +107,8 @@ def dense_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPla
     returns o (T, H, Dv) q.dtype, lse (T, H) float32. Every request in one
     group, padded to max_q_len: no host sync.
     """
-    out = empty_state(q.shape[0], q.shape[1], v.shape[-1], q)
+    t = q.shape[0]
+    o, lse = group_state(t, q.shape[1], v.shape[-1], q)
     every = torch.arange(plan.batch_size, device=q.device)
-    query_group(q, k, v, plan, token_group(plan, every, plan.max_q_len), scale, out)
-    return out
+    query_group(q, k, v, plan, token_group(plan, every, plan.max_q_len), scale, (o, lse))
+    return o[:t], lse[:t]

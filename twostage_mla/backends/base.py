@@ -17,15 +17,14 @@ import importlib.metadata
 import importlib.util
 import numbers
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from twostage_mla.backends._dense import dense_query
+from twostage_mla.backends._dense import State, dense_query
 from twostage_mla.plan import StepPlan
-
-State = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -116,6 +115,15 @@ class AttentionSpec:
         )
 
 
+def _importable(module: str) -> bool:
+    """Whether ``module`` can be imported; a stand-in in sys.modules without a __spec__ (a test's
+    stub) counts when it is there, where find_spec itself would raise."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:
+        return module in sys.modules
+
+
 @functools.cache
 def _installed_version(dist: str) -> str | None:
     """The installed release of a distribution, None without metadata; read once (every layer built asks)."""
@@ -158,7 +166,7 @@ class AttentionBackend:
     @classmethod
     def environment_problems(cls, spec: AttentionSpec) -> list[str]:
         """Package missing, GPU too old: listed first when a backend is refused."""
-        out = [f"package {p!r} is not installed" for p in cls.packages if importlib.util.find_spec(p) is None]
+        out = [f"package {p!r} is not installed" for p in cls.packages if not _importable(p)]
         if cls.min_version and not out:
             dist, want = cls.min_version
             have = _installed_version(dist) or want  # built from source without metadata: trusted

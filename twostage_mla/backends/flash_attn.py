@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from twostage_mla.backends._paged import empty_context_rows, empty_state, key_indptr, lse_heads_major, mask_empty_rows
-from twostage_mla.backends.base import AttentionBackend, AttentionSpec, State, gpu_capability
+from twostage_mla.backends.base import AttentionBackend, AttentionSpec, CaptureLimits, State, gpu_capability
 from twostage_mla.plan import StepPlan
 
 
@@ -44,6 +44,13 @@ class FlashAttnState:
     key_indptr: torch.Tensor  # (B+1,) int32 cumulative local context lengths
     max_k: int
     empty_rows: torch.Tensor | None  # (T, 1) bool
+
+
+def fa2_head_dims(spec: AttentionSpec) -> list[str]:
+    """Why FA2's kernel (flash-attn's, or torch's vendored copy) cannot take spec's head dims; [] if it can."""
+    if spec.head_dim != spec.head_dim_v or spec.head_dim % 8:
+        return [f"FA2 needs head_dim == head_dim_v, a multiple of 8, got {spec.head_dim}/{spec.head_dim_v}"]
+    return []
 
 
 def _lse_tokens(lse: torch.Tensor, plan: StepPlan, h: int) -> torch.Tensor:
@@ -63,7 +70,7 @@ class _FlashAttnBase(AttentionBackend):
     devices = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16)
 
-    def __init__(self, spec: AttentionSpec, limits=None) -> None:
+    def __init__(self, spec: AttentionSpec, limits: CaptureLimits | None = None) -> None:
         super().__init__(spec, limits)
         self._fa: Any = None
 
@@ -162,9 +169,7 @@ class FlashAttn2Backend(_FlashAttnBase):
 
     @classmethod
     def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
-        if spec.head_dim != spec.head_dim_v or spec.head_dim % 8:
-            return [f"FA2 needs head_dim == head_dim_v, a multiple of 8, got {spec.head_dim}/{spec.head_dim_v}"]
-        return []
+        return fa2_head_dims(spec)
 
     def context(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan) -> State:
         """q (T, N*H, D) over the paged shard -> o (T, N*H, D), lse (T, N*H) float32. Graph-capturable."""

@@ -24,7 +24,7 @@ Every ``plan()`` of a wrapper happens in :meth:`FlashInferBackend.plan`, once
 per step; ``context`` / ``query`` only run kernels and are graph-capturable.
 A wrapper holds one plan at a time: running a layer with an older step's
 plan raises ValueError. With :class:`CaptureLimits` given, the wrappers keep
-their metadata in fixed buffers (one set per batch size), so a graph
+their metadata in fixed buffers (one set per B for MLA, per (B, T) for GQA), so a graph
 captured once replays correctly after later plans with the same B and T.
 """
 

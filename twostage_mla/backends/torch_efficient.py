@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from twostage_mla.backends._paged import empty_context_rows, empty_state, gather_slots, mask_empty_rows, read_slots
-from twostage_mla.backends.base import AttentionBackend, AttentionSpec, State, gpu_capability
+from twostage_mla.backends.base import AttentionBackend, AttentionSpec, CaptureLimits, State, gpu_capability
 from twostage_mla.plan import StepPlan
 
 _CAUSAL_TOP_LEFT = 1  # sdp::CustomMaskType::CausalFromTopLeft
@@ -81,7 +81,7 @@ class TorchEfficientBackend(AttentionBackend):
             return [f"head dims must be multiples of 8, got {spec.head_dim}/{spec.head_dim_v}"]
         return []
 
-    def __init__(self, spec: AttentionSpec, limits=None) -> None:
+    def __init__(self, spec: AttentionSpec, limits: CaptureLimits | None = None) -> None:
         super().__init__(spec, limits)
         self._g_ctx = spec.num_heads * spec.world_size // spec.num_kv_heads  # query heads per KV head
 

@@ -29,7 +29,8 @@ from twostage_mla.backends._paged import (
     mask_empty_rows,
     read_slots,
 )
-from twostage_mla.backends.base import AttentionBackend, AttentionSpec, State
+from twostage_mla.backends.base import AttentionBackend, AttentionSpec, CaptureLimits, State
+from twostage_mla.backends.flash_attn import fa2_head_dims
 from twostage_mla.plan import StepPlan
 
 
@@ -75,11 +76,9 @@ class TorchFlashBackend(AttentionBackend):
 
     @classmethod
     def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
-        if spec.head_dim != spec.head_dim_v or spec.head_dim % 8:
-            return [f"FA2 needs head_dim == head_dim_v, a multiple of 8, got {spec.head_dim}/{spec.head_dim_v}"]
-        return []
+        return fa2_head_dims(spec)
 
-    def __init__(self, spec: AttentionSpec, limits=None) -> None:
+    def __init__(self, spec: AttentionSpec, limits: CaptureLimits | None = None) -> None:
         super().__init__(spec, limits)
         self._paged_ok = _op_takes("block_table") and spec.page_size % 256 == 0
 
