@@ -424,3 +424,12 @@ def _mixed_step(fmt: str, tree: bool):
     x = synthetic.rank_inputs(step, DCPLayout(), 4, mla=mla, dtype=torch.float32, device="cpu", seed=3)
     attn = TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32)
     return step, x, attn, attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)
+
+
+def test_a_pass_given_more_rows_than_the_plan_is_refused():
+    # The dense passes write padding into a spare row T = plan.num_tokens; a q of more rows would
+    # have that row be a real one.
+    _, x, attn, plan = _mixed_step("mla", True)
+    q = torch.cat([x.q, x.q[:1]])
+    with pytest.raises(ValueError, match=r"expected q with T = plan.num_tokens = 11 rows, got \(12, 4, 24\)"):
+        attn.backend.query(q, torch.cat([x.k, x.k[:1]]), torch.cat([x.k, x.k[:1]])[..., :16], plan)

@@ -43,10 +43,13 @@ def token_group(plan: StepPlan, requests: torch.Tensor, width: int) -> Group:
     return Group(requests, tokens, token_ok, torch.where(token_ok, tokens, plan.num_tokens))
 
 
-def group_state(t: int, h: int, dv: int, like: torch.Tensor) -> State:
-    """The empty state of t tokens with a spare row t, where groups write their padding: pass it
-    to :func:`attend_group` / :func:`query_group`, then keep ``o[:t], lse[:t]``."""
-    return empty_state(t + 1, h, dv, like)
+def group_state(plan: StepPlan, q: torch.Tensor, dv: int) -> State:
+    """The empty state of q's T = plan.num_tokens tokens with a spare row T, where groups write
+    their padding (Group.dest): pass it to :func:`attend_group` / :func:`query_group`, then keep
+    ``o[:T], lse[:T]``. q: (T, H, D); o: (T+1, H, dv) q.dtype, lse (T+1, H) float32."""
+    if q.shape[0] != plan.num_tokens:  # the spare row is plan.num_tokens: another T would write over a real row
+        raise ValueError(f"expected q with T = plan.num_tokens = {plan.num_tokens} rows, got {tuple(q.shape)}")
+    return empty_state(plan.num_tokens + 1, q.shape[1], dv, q)
 
 
 def dense_attention(
@@ -108,7 +111,7 @@ def dense_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPla
     group, padded to max_q_len: no host sync.
     """
     t = q.shape[0]
-    o, lse = group_state(t, q.shape[1], v.shape[-1], q)
+    o, lse = group_state(plan, q, v.shape[-1])
     every = torch.arange(plan.batch_size, device=q.device)
     query_group(q, k, v, plan, token_group(plan, every, plan.max_q_len), scale, (o, lse))
     return o[:t], lse[:t]

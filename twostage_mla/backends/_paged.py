@@ -6,7 +6,7 @@ empty_state and lse_heads_major run per layer, without host sync (capturable).
 Worked example, page_size 4, three requests with local context lengths 6, 0
 and 3::
 
-    block_table = [[7, 2, 9], [5, 0, 0], [3, 1, 0]]    local_context_lens = [6, 0, 3]
+    block_table = [[7, 2, 9], [5, -1, -1], [3, 1, -1]]  local_context_lens = [6, 0, 3]
     pages used  = [2, 0, 1]                             page_indptr = [0, 2, 2, 3]
     page_indices = [7, 2, 3]
     slots (gather) = [28 29 30 31 8 9 | 12 13 14]       key_indptr = [0, 6, 6, 9]

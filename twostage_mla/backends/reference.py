@@ -59,7 +59,7 @@ class ReferenceBackend(AttentionBackend):
 
     def context(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan) -> State:
         t = q.shape[0]
-        out = group_state(t, q.shape[1], v_cache.shape[-1], q)
+        out = group_state(plan, q, v_cache.shape[-1])
         for g in self._plan_state(plan, ReferenceState).context:
             mask = g.key_ok[:, None, :].expand(-1, g.tokens.shape[1], -1)
             kg, vg = read_slots(k_cache, g.slots), read_slots(v_cache, g.slots)
@@ -69,7 +69,7 @@ class ReferenceBackend(AttentionBackend):
     def query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
         """Causal per request, or plan.query_mask (a tree); shapes as in the base class."""
         t = q.shape[0]
-        out = group_state(t, q.shape[1], v.shape[-1], q)
+        out = group_state(plan, q, v.shape[-1])
         for g in self._plan_state(plan, ReferenceState).query:
             query_group(q, k, v, plan, g, self.spec.scale, out)
         return out[0][:t], out[1][:t]
