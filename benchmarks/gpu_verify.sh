@@ -83,8 +83,8 @@ elif [ "$part" = capture ]; then
     --out "$OUT/query_merge_mask.json"
   jit_wait
   stamp "layer: graphs (replay after a new plan, trees under capture limits), trees, NaN caches, empty rows"
-  timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-    -k "graph or nan or empty or tree" --timeout 140 > "$OUT/gpu_tests_capture.log" 2>&1
+  timeout 300 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
+    -k "graph or nan or empty or tree" --timeout 290 > "$OUT/gpu_tests_capture.log" 2>&1
   grep -v "^SKIPPED" "$OUT/gpu_tests_capture.log" | tail -8
 elif [ "$part" = tests ]; then
   jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
