@@ -129,8 +129,9 @@ def kv_slots(
     # Positions owned elsewhere can index past this rank's table: clamp, then mask.
     col = (li // page_size).clamp(max=block_table.shape[1] - 1)
     page = block_table.long()[request.long(), col]
-    if check and bool((mine & (page < 0)).any()):  # a padding entry: its slot would wrap onto a live page
-        t = int((mine & (page < 0)).nonzero()[0])
+    padding = mine & (page < 0)  # a padding entry: its slot would wrap onto a live page
+    if check and bool(padding.any()):
+        t = int(padding.nonzero()[0])
         raise ValueError(
             f"expected a page id >= 0 in block_table[{int(request[t])}, {int(col[t])}] for position "
             f"{int(positions[t])}, which this rank owns, got {int(page[t])}"

@@ -46,10 +46,15 @@ def token_group(plan: StepPlan, requests: torch.Tensor, width: int) -> Group:
 def group_state(plan: StepPlan, q: torch.Tensor, dv: int) -> State:
     """The empty state of q's T = plan.num_tokens tokens with a spare row T, where groups write
     their padding (Group.dest): pass it to :func:`attend_group` / :func:`query_group`, then keep
-    ``o[:T], lse[:T]``. q: (T, H, D); o: (T+1, H, dv) q.dtype, lse (T+1, H) float32."""
+    :func:`real_rows`. q: (T, H, D); o: (T+1, H, dv) q.dtype, lse (T+1, H) float32."""
     if q.shape[0] != plan.num_tokens:  # the spare row is plan.num_tokens: another T would write over a real row
         raise ValueError(f"expected q with T = plan.num_tokens = {plan.num_tokens} rows, got {tuple(q.shape)}")
     return empty_state(plan.num_tokens + 1, q.shape[1], dv, q)
+
+
+def real_rows(out: State) -> State:
+    """A :func:`group_state` without its spare row: o (T, H, Dv), lse (T, H)."""
+    return out[0][:-1], out[1][:-1]
 
 
 def dense_attention(
@@ -110,8 +115,7 @@ def dense_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPla
     returns o (T, H, Dv) q.dtype, lse (T, H) float32. Every request in one
     group, padded to max_q_len: no host sync.
     """
-    t = q.shape[0]
-    o, lse = group_state(plan, q, v.shape[-1])
+    out = group_state(plan, q, v.shape[-1])
     every = torch.arange(plan.batch_size, device=q.device)
-    query_group(q, k, v, plan, token_group(plan, every, plan.max_q_len), scale, (o, lse))
-    return o[:t], lse[:t]
+    query_group(q, k, v, plan, token_group(plan, every, plan.max_q_len), scale, out)
+    return real_rows(out)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from twostage_mla.backends._dense import Group, attend_group, group_state, query_group, token_group
+from twostage_mla.backends._dense import Group, attend_group, group_state, query_group, real_rows, token_group
 from twostage_mla.backends._paged import read_slots
 from twostage_mla.backends.base import AttentionBackend, State
 from twostage_mla.plan import StepPlan
@@ -58,18 +58,16 @@ class ReferenceBackend(AttentionBackend):
         return ReferenceState(_groups(plan, True), _groups(plan, False))
 
     def context(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan) -> State:
-        t = q.shape[0]
         out = group_state(plan, q, v_cache.shape[-1])
         for g in self._plan_state(plan, ReferenceState).context:
             mask = g.key_ok[:, None, :].expand(-1, g.tokens.shape[1], -1)
             kg, vg = read_slots(k_cache, g.slots), read_slots(v_cache, g.slots)
             attend_group(q, kg, vg, mask, g, self.spec.scale, out)
-        return out[0][:t], out[1][:t]
+        return real_rows(out)
 
     def query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> State:
         """Causal per request, or plan.query_mask (a tree); shapes as in the base class."""
-        t = q.shape[0]
         out = group_state(plan, q, v.shape[-1])
         for g in self._plan_state(plan, ReferenceState).query:
             query_group(q, k, v, plan, g, self.spec.scale, out)
-        return out[0][:t], out[1][:t]
+        return real_rows(out)
