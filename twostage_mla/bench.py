@@ -12,8 +12,10 @@ Methods (MLA, one rank, N = 1), for B requests of context C and Q new tokens:
     floor     the context's KV bytes over the measured device-copy bandwidth
 
 Times are medians of many CUDA-event-timed replays of a CUDA graph holding
-several back-to-back calls (so launch gaps do not count), after warm-up; the
-same buffers are reused, so the smallest shapes partly hit L2 (60 MB on H200).
+several back-to-back calls, after warm-up. Each timed replay is queued behind a
+short busy-wait on the GPU, so the host's time to launch it is not counted as
+device time. The same buffers are reused, so the smallest shapes partly hit L2
+(60 MB on H200).
 Writes a JSON list of records, prints a table and the speed targets (docs/performance.md), and
 plots time against C per method (matplotlib, if installed).
 """
@@ -98,10 +100,17 @@ def _progress(items: list, desc: str):
         return gen()
 
 
+# ~100 us of GPU busy-wait before each timed run: long enough for the host to queue the start
+# event, a graph replay and the end event behind it. On an idle GPU the start event fires at
+# once and the replay's launch latency (~10 us) would be timed as if the GPU were working.
+_BUSY_CYCLES = 200_000
+
+
 def _events_us(run: Callable[[], Any], reps: int) -> list[float]:
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(_BUSY_CYCLES)
         a.record()
         run()
         b.record()
