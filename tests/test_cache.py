@@ -34,7 +34,7 @@ def test_each_position_is_stored_once_at_its_owner(n, il, page):
     [
         (dict(kv=torch.randn(5, 1, 6)), r"expected kv: \(S = seq_lens.sum\(\) = 8, H_kv, D\), got \(5, 1, 6\)"),
         (dict(kv=torch.randn(8, 6)), r"expected kv: \(S = seq_lens.sum\(\) = 8"),
-        (dict(seq_lens=[3, 5]), "expected seq_lens to be a 1-D integer tensor, got list"),
+        (dict(seq_lens=[3, 5]), "expected seq_lens to be a 1-D signed integer tensor, got list"),
         (dict(seq_lens=torch.tensor([9, -1])), r"expected seq_lens >= 0, got \[9, -1\]"),
         (dict(page_size=0), "expected page_size to be a positive multiple of interleave = 2, got 0"),
         (dict(page_size=3), "expected page_size to be a positive multiple of interleave = 2, got 3"),

@@ -433,3 +433,13 @@ def test_a_pass_given_more_rows_than_the_plan_is_refused():
     q = torch.cat([x.q, x.q[:1]])
     with pytest.raises(ValueError, match=r"expected q with T = plan.num_tokens = 11 rows, got \(12, 4, 24\)"):
         attn.backend.query(q, torch.cat([x.k, x.k[:1]]), torch.cat([x.k, x.k[:1]])[..., :16], plan)
+
+
+def test_a_missing_tensor_names_the_shape_expected():
+    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.1)
+    attn = TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32, device="cpu", backend="reference")
+    i32 = dict(dtype=torch.int32)
+    plan = attn.plan(torch.tensor([0, 2], **i32), torch.tensor([5], **i32), torch.tensor([[0, 1]], **i32))
+    q, k = torch.randn(2, 2, 24), torch.randn(2, 1, 24)
+    with pytest.raises(ValueError, match=r"expected k_cache to be a tensor of shape \(\*, 4, 1, 24\), got NoneType"):
+        attn(q, k, None, None, None, plan)

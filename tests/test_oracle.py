@@ -55,7 +55,7 @@ def test_oracle_empty_batch_with_parents():
         (dict(query_start_loc=torch.tensor([0, 4])), r"expected query_start_loc.shape == \(B\+1,\) = \(3,\)"),
         (dict(parents=torch.tensor([-1, 0])), r"expected parents.shape == \(T,\) = \(4,\)"),
         (dict(parents=torch.tensor([-1, -1, 2, 0])), "parents before children"),
-        (dict(seq_lens=[1, 6]), "expected seq_lens to be a 1-D integer tensor"),
+        (dict(seq_lens=[1, 6]), "expected seq_lens to be a 1-D signed integer tensor"),
     ],
 )
 def test_oracle_refuses_inputs_that_disagree(change, match):

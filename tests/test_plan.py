@@ -89,13 +89,13 @@ def test_bad_input_names_the_argument(kwargs, match):
 
 
 def test_bad_types():
-    with pytest.raises(ValueError, match="seq_lens to be a 1-D integer tensor, got torch.float32"):
+    with pytest.raises(ValueError, match="seq_lens to be a 1-D signed integer tensor, got torch.float32"):
         plan_step(torch.tensor([0, 1]), torch.tensor([2.0]), torch.zeros(1, 1, **I32), page_size=4, layout=DCPLayout())
     with pytest.raises(ValueError, match="block_table.shape\\[0\\] == B = 1"):
         plan_step(torch.tensor([0, 1]), torch.tensor([2]), torch.zeros(2, 1, **I32), page_size=4, layout=DCPLayout())
     with pytest.raises(ValueError, match="layout to be a DCPLayout"):
         plan_step(torch.tensor([0, 1]), torch.tensor([2]), torch.zeros(1, 1, **I32), page_size=4, layout=(1, 0, 1))
-    with pytest.raises(ValueError, match="seq_lens to be a 1-D integer tensor, got torch.bool"):
+    with pytest.raises(ValueError, match="seq_lens to be a 1-D signed integer tensor, got torch.bool"):
         plan_step(torch.tensor([0, 1]), torch.tensor([True]), torch.zeros(1, 1, **I32), page_size=4, layout=DCPLayout())
     with pytest.raises(ValueError, match="page_size to be a positive multiple of interleave = 1, got True"):
         plan_step(torch.tensor([0, 1]), torch.tensor([2]), torch.zeros(1, 2, **I32), page_size=True, layout=DCPLayout())
@@ -110,6 +110,24 @@ def test_plan_keeps_copies_of_the_metadata():
         t.fill_(7)
     assert plan.query_start_loc.tolist() == [0, 1] and plan.seq_lens.tolist() == [5]
     assert plan.block_table.tolist() == [[0, 0]]
+
+
+def test_plan_copies_are_row_major():
+    # Stock kernels (FA2/FA3's block table) want stride 1 in the last dim: a transposed table is copied row-major.
+    bt = torch.tensor([[3, 0], [1, 4], [2, 5]], **I32).t()  # (2, 3), strides (1, 2)
+    plan = plan_step(torch.tensor([0, 1, 2], **I32), torch.tensor([9, 5], **I32), bt, page_size=4, layout=DCPLayout())
+    assert plan.block_table.is_contiguous() and plan.block_table.tolist() == bt.tolist()
+
+
+def test_unsigned_tables_are_refused_and_numpy_ints_accepted():
+    np = pytest.importorskip("numpy")
+    # uint8 would wrap the -1 that marks unused entries to page 255.
+    with pytest.raises(ValueError, match="block_table to be a 2-D signed integer tensor, got torch.uint8"):
+        plan_step(torch.tensor([0, 1]), torch.tensor([2]), torch.zeros(1, 1, dtype=torch.uint8), page_size=4,
+                  layout=DCPLayout())  # fmt: skip
+    plan = plan_step(torch.tensor([0, 1]), torch.tensor([5]), torch.tensor([[2, 0]]), page_size=np.int64(4),
+                     layout=DCPLayout(2, 0, np.int64(2)))  # fmt: skip
+    assert type(plan.page_size) is int and plan.page_size == 4 and plan.local_context_lens.tolist() == [2]
 
 
 def test_write_new_tokens_checks_cache_and_new():

@@ -6,6 +6,8 @@ this helper builds one from whole sequences, for prefill, tests and the demo.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from twostage_mla.layout import DCPLayout, kv_slots, local_pages
@@ -44,7 +46,7 @@ def build_shard(
         got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
         raise ValueError(f"expected kv: (S = seq_lens.sum() = {sum(sl)}, H_kv, D), got {got}")
     _check_page_size(page_size, layout)
-    if isinstance(extra_pages, bool) or not isinstance(extra_pages, int) or extra_pages < 0:
+    if isinstance(extra_pages, bool) or not isinstance(extra_pages, numbers.Integral) or extra_pages < 0:
         raise ValueError(f"expected extra_pages >= 0, got {extra_pages!r}")
     n, r, i = layout.world_size, layout.rank, layout.interleave
     pages = [local_pages(s, n, i, r, page_size) for s in sl]

@@ -7,7 +7,8 @@ once plan() agreed on the step; ``agree`` is that agreement (a host sync, for
 setup and plans). Head order on the wire is rank-major:
 rank s's local heads are heads s*H .. s*H+H-1 of the gathered tensor, so a
 split over heads hands every rank back its own. Every function but ``agree``
-is free of host synchronisation (usable under CUDA graph capture).
+and ``digest`` (plan-time helpers) is free of host synchronisation (usable
+under CUDA graph capture).
 """
 
 from __future__ import annotations

@@ -93,10 +93,10 @@ class AttentionConfig:
 
 
 def _check(name: str, t: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"expected {name} to be a tensor of shape {shape}, got {type(t).__name__}")
+        raise ValueError(f"expected {name} to be a tensor of shape {want}, got {type(t).__name__}")
     if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
-        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
         raise ValueError(f"expected {name}.shape == {want}, got {tuple(t.shape)}")
     if t.dtype != dtype:
         raise ValueError(f"expected {name}.dtype == {dtype}, got {t.dtype}")
@@ -444,8 +444,6 @@ class TwoStageAttention:
             )
         self.backend.check_plan(plan)  # a plan its kernels no longer hold: refused here, before any collective
         cfg, t = self.config, plan.num_tokens
-        if plan.page_size != cfg.page_size:
-            raise ValueError(f"expected plan.page_size == {cfg.page_size}, got {plan.page_size}")
         hk, d, dv = cfg.num_kv_heads, cfg.head_dim, cfg.head_dim_v
         _check("q", q, (t, cfg.num_heads, d), self.dtype, self.device)
         _check("k", k, (t, hk, d), self.dtype, self.device)

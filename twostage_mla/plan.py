@@ -7,6 +7,7 @@ ranks' agreement), so the per-layer call never has to.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -115,16 +116,18 @@ def _check_pages(plan: StepPlan, name: str, pages: int) -> None:
 
 
 def _int_tensor(name: str, x: Any, dim: int) -> torch.Tensor:
-    bad = not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.is_complex() or x.dtype == torch.bool
+    # Signed only: an unsigned table would wrap the -1 of unused entries (uint8: page 255).
+    bad = not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.is_complex() or not x.dtype.is_signed
     if bad or x.dim() != dim:
         got = f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"expected {name} to be a {dim}-D integer tensor, got {got}")
+        raise ValueError(f"expected {name} to be a {dim}-D signed integer tensor, got {got}")
     return x
 
 
 def _check_page_size(page_size: Any, layout: DCPLayout) -> None:
     """Raise unless page_size is a positive int and a multiple of the layout's interleave."""
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1 or page_size % layout.interleave:
+    bad = isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral)
+    if bad or page_size < 1 or page_size % layout.interleave:
         raise ValueError(
             f"expected page_size to be a positive multiple of interleave = {layout.interleave}, got {page_size!r}"
         )
@@ -216,6 +219,7 @@ def plan_step(
     sl_t = _int_tensor("seq_lens", seq_lens, 1)
     bt = _int_tensor("block_table", block_table, 2)
     _check_page_size(page_size, layout)
+    page_size = int(page_size)  # NumPy ints too, kept as a Python int
     device = qsl_t.device
     for name, t in (("seq_lens", sl_t), ("block_table", bt)):
         if t.device != device:
@@ -272,13 +276,14 @@ def plan_step(
         max_q_len=max_q,
         max_context_len=max(ctx, default=0),
         max_local_context_len=max(local_ctx, default=0),
-        # Copies, not the caller's tensors: kernels read them per layer, after the checks above.
-        query_start_loc=qsl_t.to(torch.int32, copy=True),
-        seq_lens=sl_t.to(torch.int32, copy=True),
+        # Row-major copies, not the caller's tensors: kernels read them per layer, after the checks
+        # above, and the stock ones (FA2/FA3's block table) want stride 1 in the last dim.
+        query_start_loc=qsl_t.to(torch.int32, memory_format=torch.contiguous_format, copy=True),
+        seq_lens=sl_t.to(torch.int32, memory_format=torch.contiguous_format, copy=True),
         q_lens=q_lens_t.to(**i32),
         context_lens=torch.tensor(ctx, **i32),
         local_context_lens=torch.tensor(local_ctx, **i32),
-        block_table=bt.to(torch.int32, copy=True),
+        block_table=bt.to(torch.int32, memory_format=torch.contiguous_format, copy=True),
         token_request=token_request.to(device),
         token_offset=token_offset.to(device),
         write_rows=torch.zeros(0, dtype=torch.int64, device=device),
