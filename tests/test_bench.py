@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from twostage_mla import bench
 
@@ -73,3 +74,11 @@ def test_bad_options_are_refused_by_name():
     ):
         with pytest.raises(ValueError, match=match):
             bench.run_bench(p.parse_args(argv))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
+def test_bench_without_a_gpu_points_to_check_and_demo():
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    with pytest.raises(ValueError, match=r"expected a CUDA GPU for bench .*'twostage-mla check' and '.* demo'"):
+        bench.run_bench(p.parse_args([]))

@@ -44,7 +44,8 @@ def test_demo_report_and_errors():
     assert r.returncode == 0, r.stderr
     assert "max_rel_err" in r.stdout and "N=3" in r.stdout
     bad = demo("--world-size", "3", "--heads", "16")
-    assert bad.returncode == 2 and "expected world_size >= 1 dividing heads = 16, got world_size = 3" in bad.stderr
+    # Named as the flags the user typed, not as Python's field names.
+    assert bad.returncode == 2 and "expected --world-size >= 1 dividing heads = 16, got --world-size = 3" in bad.stderr
     assert "usage: twostage-mla demo" in bad.stderr  # the command's usage, not the top level's
 
 

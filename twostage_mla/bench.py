@@ -82,7 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "as backend '<name>-unfused'; plain '<name>' is the layer's default")
     p.add_argument("--slow-ms", type=float, default=30.0,
                    help="a backend slower than this at a point is timed with 3 eager calls only")
-    p.add_argument("--out", default="benchmarks/results/bench.json", help="JSON records (default %(default)s)")
+    p.add_argument("--out", default="benchmarks/results/bench.json",
+                   help="JSON records (default %(default)s, under the current directory)")
     p.add_argument("--plot", default=None, help="png path (default: --out with .png)")
 
 
@@ -233,7 +234,10 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     if not args.slow_ms > 0:
         raise ValueError(f"expected --slow-ms > 0, got {args.slow_ms}")
     if not torch.cuda.is_available():
-        raise ValueError("expected a CUDA GPU for bench (torch.cuda.is_available() is False)")
+        raise ValueError(
+            "expected a CUDA GPU for bench (torch.cuda.is_available() is False); on a CPU, "
+            "'twostage-mla check' and 'twostage-mla demo' run the reference kernels"
+        )
     grid = dict(QUICK if args.quick else FULL)
     for k in ("batch", "context", "q_len", "heads"):
         if getattr(args, k) is not None:

@@ -106,9 +106,9 @@ def _check_states(o: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup) 
 def gather_queries(q: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
     """Start the all-gather of every rank's queries.
 
-    q: (T, H, D), this rank's heads.
-    returns (buffer, work): after ``work.wait()`` buffer is (N, T, H, D),
-    rank-major; overlap independent work (the query pass) before waiting.
+    q: (T, H, D) any dtype, this rank's heads.
+    returns (buffer, work): after ``work.wait()`` buffer is (N, T, H, D) in
+    q's dtype, rank-major; overlap independent work (the query pass) before waiting.
     """
     n = dist.get_world_size(group)
     # Gathered flat along dim 0 (gloo insists), viewed as (N, T, ...) after.
@@ -184,12 +184,12 @@ def combine_ag_rs(
 
 
 def to_rank_major(x: torch.Tensor, world_size: int, num_kv_heads: int) -> torch.Tensor:
-    """(T, H_kv*N*G, ...) kv-head-major context output -> (N, T, H_kv*G, ...) by owner rank."""
+    """(T, H_kv*N*G, ...) kv-head-major context output -> (N, T, H_kv*G, ...) by owner rank, same dtype."""
     return rearrange(x, "t (k n g) ... -> n t (k g) ...", k=num_kv_heads, n=world_size)
 
 
 def from_rank_major(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """(N, T, H_kv*G, D) gathered queries -> (T, H_kv*N*G, D), kv-head-major.
+    """(N, T, H_kv*G, D) gathered queries -> (T, H_kv*N*G, D), kv-head-major, same dtype.
 
     Query head h of rank s reads KV head h // G; putting every rank's heads of
     one KV head together keeps the usual GQA rule (head i reads i // (N*G)).

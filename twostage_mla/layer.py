@@ -301,9 +301,12 @@ class TwoStageAttention:
 
         query_start_loc: (B+1,) int32; seq_lens: (B,) int32 global lengths
         including the step's tokens; block_table: (B, W) int32;
-        parents: optional (T,) int tree parents. All on this layer's device.
+        parents: optional (T,) int tree parents. All on this layer's device;
+        any signed integer dtype is accepted (the plan keeps int32 copies).
         num_pages: optional, pages P of this rank's caches: page ids the step
             uses must be below it (the layer call checks k_cache.shape[0] too).
+        returns: the StepPlan every layer of this step takes, with the
+            backend's kernel plans in it.
 
         With N > 1 the ranks of the group agree on the step here (one small
         all-reduce): where any rank refuses its metadata, every rank raises,

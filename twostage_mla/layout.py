@@ -53,12 +53,18 @@ class DCPLayout:
 
 
 def owner(p: IntLike, world_size: int, interleave: int) -> IntLike:
-    """Rank that stores position ``p``: ``(p // I) % N``."""
+    """Rank that stores position ``p``: ``(p // I) % N``.
+
+    p: an int, or an integer tensor of any shape (elementwise; same shape and dtype back).
+    """
     return (p // interleave) % world_size
 
 
 def local_index(p: IntLike, world_size: int, interleave: int) -> IntLike:
-    """Slot of position ``p`` in its owner's shard: ``(p // (N*I)) * I + p % I``."""
+    """Slot of position ``p`` in its owner's shard: ``(p // (N*I)) * I + p % I``.
+
+    p: an int, or an integer tensor of any shape (elementwise; same shape and dtype back).
+    """
     return (p // (world_size * interleave)) * interleave + p % interleave
 
 
@@ -67,6 +73,7 @@ def local_len(length: IntLike, world_size: int, interleave: int, rank: int) -> I
 
     ``(L // (N*I)) * I + clamp(L - (L // (N*I)) * N*I - r*I, 0, I)``; e.g. with
     N = 2, I = 2: local_len(9, ., 0) = 5 and local_len(9, ., 1) = 4.
+    length: an int, or an integer tensor of any shape (elementwise; same shape and dtype back).
     """
     stride = world_size * interleave
     full = length // stride
@@ -78,8 +85,10 @@ def local_len(length: IntLike, world_size: int, interleave: int, rank: int) -> I
     return full * interleave + rest
 
 
-def local_pages(length: int, world_size: int, interleave: int, rank: int, page_size: int) -> int:
+def local_pages(length: IntLike, world_size: int, interleave: int, rank: int, page_size: int) -> IntLike:
     """Pages rank ``rank`` needs for a request of ``length`` tokens: ceil(local_len / page_size).
+
+    length: an int, or an integer tensor of any shape (elementwise; same shape and dtype back).
 
     Rank 0 needs the most of any rank, which is why block tables and capture
     limits are sized and checked against ``rank=0`` on every rank.

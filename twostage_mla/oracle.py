@@ -24,11 +24,11 @@ def oracle_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of every query over its request's whole, unsharded KV.
 
-    q: (T, H, D); the Q_b queries of request b are its last Q_b positions
+    q: (T, H, D) any float dtype (computed in float64); the Q_b queries of request b are its last Q_b positions
         C_b .. seq_lens[b]-1. Head h reads K/V head h // (H / H_kv): for GQA
         pass one rank's heads (a layer's heads read its H_kv heads in groups
         of its own H / H_kv); for MLA (H_kv = 1) any heads.
-    k: (S, H_kv, D), v: (S, H_kv, Dv): every request's positions 0 .. seq_lens[b]-1,
+    k: (S, H_kv, D), v: (S, H_kv, Dv), any float dtype: every request's positions 0 .. seq_lens[b]-1,
         requests concatenated (S = seq_lens.sum()); for MLA pass
         v = k[..., :kv_lora_rank] with H_kv = 1.
     query_start_loc: (B+1,) int; seq_lens: (B,) int.

@@ -33,6 +33,15 @@ class StepPlan:
 
     Tensors live on the device of ``query_start_loc``; ints are host values.
     ``backend_state`` holds kernel plans of the backend named ``backend``.
+
+    Fields (T tokens, B requests, W = block-table width, T_r = tokens of the
+    step this rank stores, T_r <= T):
+        query_start_loc (B+1,) int32; seq_lens, q_lens, context_lens,
+        local_context_lens (B,) int32; block_table (B, W) int32, this rank's
+        pages, -1 past what it uses; token_request, token_offset (T,) int64;
+        write_rows, write_slots (T_r,) int64; query_mask (B, max_q_len,
+        max_q_len) bool or None (causal); num_tokens, batch_size, max_q_len,
+        max_context_len, max_local_context_len, page_size, max_page_id: int.
     """
 
     layout: DCPLayout
@@ -50,8 +59,8 @@ class StepPlan:
     block_table: torch.Tensor  # (B, W) int32, this rank's pages
     token_request: torch.Tensor  # (T,) int64, request of each token
     token_offset: torch.Tensor  # (T,) int64, j: index of the token within its request
-    write_rows: torch.Tensor  # (W,) int64, tokens of the step this rank stores
-    write_slots: torch.Tensor  # (W,) int64, their flat slots in this rank's cache
+    write_rows: torch.Tensor  # (T_r,) int64, tokens of the step this rank stores
+    write_slots: torch.Tensor  # (T_r,) int64, their flat slots in this rank's cache
     # (B, max_q_len, max_q_len) bool, [b, j, i]: token j of request b sees fresh key i; None =
     # causal. A fused_plan's (below) is wider: the layer's fixed buffer, causal on causal steps.
     query_mask: torch.Tensor | None = None

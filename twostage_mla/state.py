@@ -123,7 +123,8 @@ def merge_state(
 def merge_state_(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
     """In-place :func:`merge_state`: (o_a, lse_a) becomes the merged state.
 
-    o_a: (T, H, Dv), lse_a: (T, H) float32 (both written); o_b, lse_b as o_a, lse_a.
+    o_a: (T, H, Dv) any float dtype, lse_a: (T, H) float32 (both written); o_b: (T, H, Dv) any float dtype,
+    lse_b: (T, H) float32.
     """
     if lse_a.dtype != torch.float32 or not o_a.is_floating_point():
         raise ValueError(f"expected lse_a float32 and o_a of a float dtype (written in place), got {lse_a.dtype}, "

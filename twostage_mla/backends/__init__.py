@@ -95,8 +95,9 @@ def select_merge(spec: AttentionSpec) -> MergeFn:
 def select_query_merge(spec: AttentionSpec) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """The query pass fused into the final merge, where there is a kernel for it, else None.
 
-    Triton on CUDA in bf16 or fp16: (q, k, v, plan, ctx_o (K, T, H, Dv), ctx_lse (K, T, H), *,
-    scale, out_dtype, max_q_len) -> (o, lse); replaces the backend's query pass and the
+    Triton on CUDA in bf16 or fp16: (q (T, H, D), k (T, H_kv, D), v (T, H_kv, Dv), plan,
+    ctx_o (K, T, H, Dv), ctx_lse (K, T, H) float32, *, scale, out_dtype, max_q_len) ->
+    (o (T, H, Dv) out_dtype, lse (T, H) float32); replaces the backend's query pass and the
     last merge (see :mod:`twostage_mla.kernels.query_merge`).
     """
     # bf16/fp16 only: those ran on GPUs (docs/performance.md); float32 runs only under the interpreter.

@@ -179,6 +179,7 @@ class AttentionBackend:
 
     @classmethod
     def not_supported_reasons(cls, spec: AttentionSpec, limits: CaptureLimits | None = None) -> list[str]:
+        """Why this backend cannot serve ``spec`` (under ``limits``), one line each; [] if it can."""
         reasons = cls.environment_problems(spec)
         if limits is not None and limits.given and not cls.replays_across_steps:
             reasons.append(
@@ -221,7 +222,11 @@ class AttentionBackend:
         return plan.backend_state
 
     def plan(self, plan: StepPlan) -> Any:
-        """Per-step kernel plans (built once, reused by every layer); None if none."""
+        """Per-step kernel plans, built once per step and reused by every layer; None if none.
+
+        plan: the step's StepPlan (lengths, block table, per-token indices; no backend state yet).
+        returns: what the layer stores as ``plan.backend_state`` for this backend's passes.
+        """
         return None
 
     def check_plan(self, plan: StepPlan) -> None:
