@@ -309,6 +309,12 @@ def test_capture_limits_with_the_fused_query_pass(emulated):
     for layer, why in ((long, "fused=True, max_q_len = 32"), (unfused, "fused=False, max_q_len = 8")):
         with pytest.raises(ValueError, match=f"no tree parents with capture limits .*got {why}"):
             layer.plan(xs[2].query_start_loc, xs[2].seq_lens, xs[2].block_table, parents=xs[2].parents)
+    # ... while requests of up to 16 tokens, the most one fixed mask holds, still take trees.
+    edge = _fused(_layer("flashinfer", cfg, DCPLayout(), CaptureLimits(2, 32, 8, max_q_len=16)))
+    x = xs[2]
+    plan = edge.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)
+    out = edge(x.q, x.k, None, x.k_cache, None, plan)
+    assert torch.allclose(out.double(), synthetic.oracle(steps[2], cfg.scale)[0], atol=1e-5)
     x = xs[1]
     out = long(x.q, x.k, None, x.k_cache, None, long.plan(x.query_start_loc, x.seq_lens, x.block_table))
     assert torch.allclose(out.double(), synthetic.oracle(steps[1], cfg.scale)[0], atol=1e-5)

@@ -10,10 +10,10 @@ from twostage_mla import comm
 from twostage_mla.state import merge_states
 
 
-def _states(world: int, dtype: torch.dtype):
+def _states(world: int, dtype: torch.dtype, dv: int = 8):
     """Every rank's (o, lse) for every destination: (src, dst, T, H, Dv), (src, dst, T, H)."""
     g = torch.Generator().manual_seed(3)
-    o = torch.randn(world, world, 5, 3, 8, generator=g).to(dtype)
+    o = torch.randn(world, world, 5, 3, dv, generator=g).to(dtype)
     lse = torch.randn(world, world, 5, 3, generator=g) * 3
     lse[:, :, 0] = float("-inf")  # token 0: empty on every rank
     lse[0, :, 1] = float("-inf")  # token 1: empty on rank 0 (a short context)
@@ -21,10 +21,10 @@ def _states(world: int, dtype: torch.dtype):
     return o, lse
 
 
-def _combine(rank: int, world: int, dtype: torch.dtype) -> dict:
+def _combine(rank: int, world: int, dtype: torch.dtype, dv: int) -> dict:
     import torch.distributed as dist
 
-    o, lse = _states(world, dtype)
+    o, lse = _states(world, dtype, dv)
     out = {}
     for name in comm.COMBINE_METHODS:
         if name == "a2a":
@@ -39,11 +39,14 @@ def _combine(rank: int, world: int, dtype: torch.dtype) -> dict:
     return out
 
 
-# T*H = 15 is odd: with float64 the byte rows must still align for every view.
-@pytest.mark.parametrize("world,dtype", [(3, torch.float32), (2, torch.bfloat16), (2, torch.float64)])
-def test_combines_equal_local_merge(world, dtype):
-    o, lse = _states(world, dtype)
-    for rank, res in enumerate(run_ranks(world, _combine, dtype)):
+# T*H = 15 is odd: with float64 the byte rows must still align for every view; with bf16 and
+# Dv = 3 a rank's o is 90 bytes, which the all-to-all pads to 96.
+@pytest.mark.parametrize(
+    "world,dtype,dv", [(3, torch.float32, 8), (2, torch.bfloat16, 8), (2, torch.float64, 8), (2, torch.bfloat16, 3)]
+)
+def test_combines_equal_local_merge(world, dtype, dv):
+    o, lse = _states(world, dtype, dv)
+    for rank, res in enumerate(run_ranks(world, _combine, dtype, dv)):
         ref_o, ref_lse = merge_states(o[:, rank], lse[:, rank], out_dtype=torch.float32)
         for name in comm.COMBINE_METHODS:
             got_o, got_lse = res[name]
@@ -130,3 +133,5 @@ def test_agree_gathers_every_rank_row_and_refuses_other_kinds():
         assert res["after"] == [[0], [1], [2]]
     with pytest.raises(ValueError, match="expected kind in \\('layer', 'step'\\) and a row of up to 4 ints"):
         comm.agree("plan", [1], None, None)
+    with pytest.raises(ValueError, match="a row of up to 4 ints, got 'step', \\[1, 2, 3, 4, 5\\]"):
+        comm.agree("step", [1, 2, 3, 4, 5], None, None)

@@ -88,6 +88,9 @@ def test_no_states_is_the_empty_state():
     ref_o, ref_lse = merge_states(o, lse)
     torch.testing.assert_close(got_o, ref_o.float())
     assert torch.equal(got_lse, ref_lse) and got_lse.isneginf().all()
+    # ... and with an extra state: that state
+    eo, el = torch.randn(3, 4, 8, device=DEVICE), torch.randn(3, 4, device=DEVICE)
+    torch.testing.assert_close(merge_states_triton(o, lse, extra=(eo, el)), (eo, el))
 
 
 def test_no_overflow_near_the_dtype_max():

@@ -299,13 +299,17 @@ def test_config_errors():
         AttentionConfig(4, 16, 16, 4, 0.1, 2, "mla")
     with pytest.raises(ValueError, match=r"device to be a torch.device or a string like 'cuda:0', got 'gpu0'"):
         TwoStageAttention(AttentionConfig(4, 16, 16, 4, 0.1), DCPLayout(), device="gpu0")
+    with pytest.raises(ValueError, match="num_kv_heads == 1 and head_dim_v <= head_dim for MLA"):
+        AttentionConfig(4, 16, 32, 4, 0.1)
+    with pytest.raises(ValueError, match=r"fuse_query in \(None, True, False\), got 'yes'"):
+        TwoStageAttention(AttentionConfig(4, 16, 16, 4, 0.1), DCPLayout(), fuse_query="yes")
     with pytest.raises(ValueError, match="kv_format 'mla' or 'gqa'"):
         AttentionConfig(4, 16, 16, 4, 0.1, 1, "mha")
     with pytest.raises(ValueError, match="num_heads to be a positive int, got 0"):
         AttentionConfig(0, 16, 16, 4, 0.1)
     with pytest.raises(ValueError, match="page_size to be a positive int, got True"):
         AttentionConfig(4, 16, 16, True, 0.1)
-    for bad in (0.0, float("inf"), float("nan"), torch.tensor(0.1)):
+    for bad in (0.0, float("inf"), float("nan"), torch.tensor(0.1), True):
         with pytest.raises(ValueError, match="scale to be a finite real number > 0"):
             AttentionConfig(4, 16, 16, 4, bad)
     # Sizes and scale from a model config as NumPy scalars: the same config as Python numbers.
@@ -443,3 +447,47 @@ def test_a_missing_tensor_names_the_shape_expected():
     q, k = torch.randn(2, 2, 24), torch.randn(2, 1, 24)
     with pytest.raises(ValueError, match=r"expected k_cache to be a tensor of shape \(\*, 4, 1, 24\), got NoneType"):
         attn(q, k, None, None, None, plan)
+
+
+def test_call_errors_name_the_tensor():
+    # One rank's mistakes that the group-wide test leaves out: each a ValueError naming the tensor.
+    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    x, attn = _one_rank_step(cfg)
+    plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    for args, match in (
+        ((x.q, x.k, None, x.k_cache, x.k_cache[..., :16]), "v=None and v_cache=None for MLA"),
+        ((x.q, x.k, None, x.k_cache[..., None]), r"k_cache.shape == \(\*, 4, 1, 24\)"),
+        ((x.q.to("meta"), x.k, None, x.k_cache), "expected q on cpu, got meta"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            attn(*args[:4], args[4] if len(args) > 4 else None, plan)
+    gqa = AttentionConfig(4, 16, 8, 4, 0.25, num_kv_heads=2, kv_format="gqa")
+    step = synthetic.make_step([5, 9], [2, 3], heads=4, head_dim=16, head_dim_v=8, kv_heads=2, mla=False, seed=1)
+    x = synthetic.rank_inputs(step, DCPLayout(), 4, mla=False, dtype=torch.float32, device="cpu")
+    attn = TwoStageAttention(gqa, DCPLayout(), dtype=torch.float32)
+    plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    with pytest.raises(ValueError, match=r"v.shape == \(5, 2, 8\)"):
+        attn(x.q, x.k, x.v[:, :1], x.k_cache, x.v_cache, plan)
+    for bad, got in ((x.v_cache[..., :1, :], r"\(7, 4, 1, 8\)"), (x.v_cache[:1], r"\(1, 4, 2, 8\)")):
+        with pytest.raises(ValueError, match=r"v_cache.shape == \(7, 4, 2, 8\), got " + got):
+            attn(x.q, x.k, x.v, x.k_cache, bad, plan)
+
+
+def _combine_used(rank: int, world: int) -> list[str]:
+    used = []
+    a2a, ag_rs = comm.exchange_a2a, comm.combine_ag_rs
+    comm.exchange_a2a = lambda *a, **k: used.append("a2a") or a2a(*a, **k)
+    comm.combine_ag_rs = lambda *a, **k: used.append("ag_rs") or ag_rs(*a, **k)
+    layout = DCPLayout(world, rank, 2)
+    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    step = synthetic.make_step([5], [2], heads=2 * world, head_dim=24, head_dim_v=16, seed=1)
+    x = synthetic.rank_inputs(step, layout, 4, mla=True, dtype=torch.float32, device="cpu")
+    for combine in ("a2a", "ag_rs"):
+        attn = TwoStageAttention(cfg, layout, group=dist.group.WORLD, combine=combine, dtype=torch.float32)
+        attn(x.q, x.k, None, x.k_cache, None, attn.plan(x.query_start_loc, x.seq_lens, x.block_table))
+    return used
+
+
+def test_combine_picks_its_collective():
+    # Both combines give the same numbers, so only the collective they run tells them apart.
+    assert run_ranks(2, _combine_used) == [["a2a", "ag_rs"]] * 2

@@ -85,8 +85,9 @@ def test_kv_slots_refuse_a_padding_entry_for_a_position_this_rank_owns():
     pos = torch.tensor([0, 4, 8])
     with pytest.raises(ValueError, match=r"page id >= 0 in block_table\[0, 1\] for position 8, .* got -1"):
         kv_slots(pos, torch.zeros(3, dtype=torch.long), table, 4, DCPLayout(2, 0, 4))
-    # position 4 belongs to rank 1: -1, whatever its column holds
-    assert kv_slots(pos[:2], torch.zeros(2, dtype=torch.long), table, 4, DCPLayout(2, 0, 4)).tolist() == [12, -1]
+    # positions 4 and 12 belong to rank 1: -1, whatever their column holds (12's is the -1 padding entry)
+    foreign = torch.tensor([0, 4, 12])
+    assert kv_slots(foreign, torch.zeros(3, dtype=torch.long), table, 4, DCPLayout(2, 0, 4)).tolist() == [12, -1, -1]
 
 
 def test_layout_rejects_bad_values():
@@ -94,8 +95,9 @@ def test_layout_rejects_bad_values():
         DCPLayout(0, 0, 1)
     with pytest.raises(ValueError, match="interleave >= 1"):
         DCPLayout(2, 0, 0)
-    with pytest.raises(ValueError, match=r"0 <= rank < world_size = 2, got rank=2"):
-        DCPLayout(2, 2, 1)
+    for rank in (2, -1):
+        with pytest.raises(ValueError, match=rf"0 <= rank < world_size = 2, got rank={rank}"):
+            DCPLayout(2, rank, 1)
     with pytest.raises(ValueError, match="expected interleave to be an int, got True"):
         DCPLayout(2, 0, True)
     with pytest.raises(ValueError, match="expected world_size to be an int, got 2.0"):

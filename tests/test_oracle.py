@@ -34,6 +34,11 @@ def test_oracle_tree_mask_and_batches():
     rows = torch.tensor([1, 2, 3, 4, 6])
     s = torch.einsum("hd,nd->hn", q[3].double(), k[rows, 0].double()) * 0.5
     torch.testing.assert_close(o[3], torch.softmax(s, -1) @ k[rows, 0].double())
+    # two roots: token 1 sees the context and itself, not token 0 (the first new key is no context)
+    q, k = q[:2, :1].double(), k[:4].double()
+    o, _ = oracle_attention(q, k, k, torch.tensor([0, 2]), torch.tensor([4]), 0.5, parents=torch.tensor([-1, -1]))
+    rows = torch.tensor([0, 1, 3])
+    torch.testing.assert_close(o[1, 0], torch.softmax(q[1, 0] @ k[rows, 0].T * 0.5, -1) @ k[rows, 0])
 
 
 def test_oracle_empty_batch_with_parents():

@@ -80,7 +80,9 @@ def test_zero_query_request_and_empty_batch():
         ),
         (dict(qsl=[0, 1], sl=[4], page_size=3), r"page_size to be a positive multiple of interleave = 2, got 3"),
         (dict(qsl=[0, 2], sl=[4], parents=torch.tensor([-1, 1])), r"parents\[t\] == -1 or 0 <= parents\[t\] <"),
+        (dict(qsl=[0, 2], sl=[4], parents=torch.tensor([-1, -2])), r"parents\[t\] == -1 or 0 <= parents\[t\] <"),
         (dict(qsl=[0, 2], sl=[4], parents=torch.tensor([-1])), r"parents.shape == \(T,\) = \(2,\)"),
+        (dict(qsl=[0, 1], sl=[4], page_size=0), r"page_size to be a positive multiple of interleave = 2, got 0"),
     ],
 )
 def test_bad_input_names_the_argument(kwargs, match):
@@ -93,6 +95,8 @@ def test_bad_types():
         plan_step(torch.tensor([0, 1]), torch.tensor([2.0]), torch.zeros(1, 1, **I32), page_size=4, layout=DCPLayout())
     with pytest.raises(ValueError, match="block_table.shape\\[0\\] == B = 1"):
         plan_step(torch.tensor([0, 1]), torch.tensor([2]), torch.zeros(2, 1, **I32), page_size=4, layout=DCPLayout())
+    with pytest.raises(ValueError, match=r"block_table to be a 2-D signed .*, got torch.int32 tensor of shape \(2,\)"):
+        plan_step(torch.tensor([0, 1]), torch.tensor([2]), torch.zeros(2, **I32), page_size=4, layout=DCPLayout())
     with pytest.raises(ValueError, match="layout to be a DCPLayout"):
         plan_step(torch.tensor([0, 1]), torch.tensor([2]), torch.zeros(1, 1, **I32), page_size=4, layout=(1, 0, 1))
     with pytest.raises(ValueError, match="seq_lens to be a 1-D signed integer tensor, got torch.bool"):
@@ -160,8 +164,33 @@ def test_negative_page_ids_in_use_are_refused():
         plan_step(torch.tensor([0, 1, 2], **I32), torch.tensor([4, 10], **I32), bt, page_size=4, layout=LAYOUT)
 
 
+def test_max_page_id_counts_only_the_pages_in_use():
+    # Rank 1 of (N=2, I=2): seq 4 keeps 2 tokens there, in column 0. Column 1 is never read, so its
+    # large id must not make a one-page cache look too small.
+    plan = plan_step(torch.tensor([0, 1], **I32), torch.tensor([4], **I32), torch.tensor([[0, 99]], **I32),
+                     page_size=4, layout=DCPLayout(2, 1, 2))  # fmt: skip
+    assert plan.max_page_id == 0
+    cache, new = torch.zeros(1, 4, 1, 2), torch.randn(1, 1, 2)
+    plan.write_new_tokens(cache, new)  # position 3, rank 1's local slot 1 of page 0
+    assert torch.equal(cache[0, 1], new[0]) and plan.write_slots.tolist() == [1]
+    empty = plan_step(torch.zeros(1, **I32), torch.zeros(0, **I32), torch.zeros(0, 0, **I32), page_size=4,
+                      layout=DCPLayout())  # fmt: skip
+    assert empty.max_page_id == -1
+
+
+def test_the_first_slot_of_page_0_is_written():
+    plan = plan_step(torch.tensor([0, 1], **I32), torch.tensor([1], **I32), torch.tensor([[0]], **I32), page_size=4,
+                     layout=DCPLayout())  # fmt: skip
+    cache, new = torch.zeros(1, 4, 1, 2), torch.randn(1, 1, 2)
+    plan.write_new_tokens(cache, new)
+    assert plan.write_slots.tolist() == [0] and torch.equal(cache[0, 0], new[0]) and cache[0, 1:].eq(0).all()
+
+
 def test_metadata_without_values_is_refused_by_name():
     meta = dict(device="meta", dtype=torch.int32)
     with pytest.raises(ValueError, match="expected query_start_loc, seq_lens and block_table with values, got meta"):
         plan_step(torch.zeros(2, **meta), torch.zeros(1, **meta), torch.zeros(1, 1, **meta), page_size=4,
+                  layout=DCPLayout())  # fmt: skip
+    with pytest.raises(ValueError, match="expected seq_lens on cpu like query_start_loc, got meta"):
+        plan_step(torch.tensor([0, 1]), torch.tensor([2], device="meta"), torch.zeros(1, 1, **I32), page_size=4,
                   layout=DCPLayout())  # fmt: skip

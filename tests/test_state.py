@@ -75,6 +75,8 @@ def test_bf16_merge_accumulates_in_float32():
 def test_shape_errors_name_arguments():
     with pytest.raises(ValueError, match=r"lse: \(K, T, H\)"):
         merge_states(torch.randn(2, 3, 4, 5), torch.randn(2, 3))
+    with pytest.raises(ValueError, match=r"o: \(K, T, H, Dv\)"):
+        merge_states(torch.randn(2, 3, 4), torch.randn(2, 3, 4))
     with pytest.raises(ValueError, match="o_a"):
         merge_state(torch.randn(3, 4, 5), torch.randn(3, 4), torch.randn(3, 4, 6), torch.randn(3, 4))
     with pytest.raises(ValueError, match="expected lse_a float32 and o_a of a float dtype"):
@@ -105,3 +107,27 @@ def test_nan_state_is_not_taken_for_empty():
     bad = torch.zeros(3, 2, dtype=torch.bool)
     bad[1, 0] = True
     assert torch.isfinite(om[~bad]).all() and torch.isfinite(lm[~bad]).all()
+
+
+def test_in_place_merge_updates_both_o_and_lse():
+    oa, la, ob, lb = torch.randn(3, 2, 4), torch.randn(3, 2), torch.randn(3, 2, 4), torch.randn(3, 2)
+    ref_o, ref_lse = merge_state(oa, la, ob, lb)
+    merge_state_(oa, la, ob, lb)
+    torch.testing.assert_close(oa, ref_o)
+    torch.testing.assert_close(la, ref_lse)
+
+
+def test_output_dtype_follows_o_unless_given():
+    for dtype in (torch.float64, torch.bfloat16):
+        o, lse = merge_state(torch.randn(3, 2, 4).to(dtype), torch.randn(3, 2), torch.randn(3, 2, 4).to(dtype),
+                             torch.randn(3, 2))  # fmt: skip
+        assert o.dtype == dtype and lse.dtype == torch.float32
+    o, _ = merge_states(torch.randn(2, 3, 4, 5).bfloat16(), torch.randn(2, 3, 4), out_dtype=torch.float32)
+    assert o.dtype == torch.float32
+
+
+def test_extra_is_one_more_state():
+    o, lse, eo, el = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4), torch.randn(3, 4, 5), torch.randn(3, 4)
+    got = merge_states(o, lse, extra=(eo, el))
+    torch.testing.assert_close(got, merge_states(torch.cat([o, eo[None]]), torch.cat([lse, el[None]])))
+    torch.testing.assert_close(merge_states(o[:0], lse[:0], extra=(eo, el)), (eo, el))  # K = 0: the extra alone
