@@ -451,25 +451,20 @@ def test_a_missing_tensor_names_the_shape_expected():
 
 def test_call_errors_name_the_tensor():
     # One rank's mistakes that the group-wide test leaves out: each a ValueError naming the tensor.
-    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
-    x, attn = _one_rank_step(cfg)
-    plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    _, x, attn, plan = _mixed_step("mla", False)
     for args, match in (
         ((x.q, x.k, None, x.k_cache, x.k_cache[..., :16]), "v=None and v_cache=None for MLA"),
-        ((x.q, x.k, None, x.k_cache[..., None]), r"k_cache.shape == \(\*, 4, 1, 24\)"),
-        ((x.q.to("meta"), x.k, None, x.k_cache), "expected q on cpu, got meta"),
+        ((x.q, x.k, None, x.k_cache[..., None], None), r"k_cache.shape == \(\*, 4, 1, 24\)"),
+        ((x.q.to("meta"), x.k, None, x.k_cache, None), "expected q on cpu, got meta"),
     ):
         with pytest.raises(ValueError, match=match):
-            attn(*args[:4], args[4] if len(args) > 4 else None, plan)
-    gqa = AttentionConfig(4, 16, 8, 4, 0.25, num_kv_heads=2, kv_format="gqa")
-    step = synthetic.make_step([5, 9], [2, 3], heads=4, head_dim=16, head_dim_v=8, kv_heads=2, mla=False, seed=1)
-    x = synthetic.rank_inputs(step, DCPLayout(), 4, mla=False, dtype=torch.float32, device="cpu")
-    attn = TwoStageAttention(gqa, DCPLayout(), dtype=torch.float32)
-    plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
-    with pytest.raises(ValueError, match=r"v.shape == \(5, 2, 8\)"):
+            attn(*args, plan)
+    _, x, attn, plan = _mixed_step("gqa", False)
+    p = x.v_cache.shape[0]
+    with pytest.raises(ValueError, match=r"v.shape == \(11, 2, 16\)"):
         attn(x.q, x.k, x.v[:, :1], x.k_cache, x.v_cache, plan)
-    for bad, got in ((x.v_cache[..., :1, :], r"\(7, 4, 1, 8\)"), (x.v_cache[:1], r"\(1, 4, 2, 8\)")):
-        with pytest.raises(ValueError, match=r"v_cache.shape == \(7, 4, 2, 8\), got " + got):
+    for bad in (x.v_cache[..., :1, :], x.v_cache[:1]):
+        with pytest.raises(ValueError, match=re.escape(f"v_cache.shape == {(p, 4, 2, 16)}, got {tuple(bad.shape)}")):
             attn(x.q, x.k, x.v, x.k_cache, bad, plan)
 
 
