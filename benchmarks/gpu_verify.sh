@@ -24,12 +24,15 @@
 #   bash benchmarks/gpu_verify.sh model     # DeepSeek-V3 real dims over NCCL, float32, a chain and a tree
 #   bash benchmarks/gpu_verify.sh recheck   # one GPU: the kernel alone against benchmarks/_query_merge_prev.py,
 #                                           # bench at B = 32 (Q = 4, 8), twostage-mla check
+#   bash benchmarks/gpu_verify.sh suite     # one GPU: the CPU suite (pytest -m "not gpu") where CUDA is present, so
+#                                           # the tests that pick CUDA (Triton kernels, layer, bench) run there;
+#                                           # twostage-mla check; the README's demo on the GPU
 #   bash benchmarks/gpu_verify.sh capture   # one GPU: kernel tests, the kernel with and without a causal mask,
 #                                           # the layer's graph, tree, NaN and empty-row tests
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
-part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|bench|tests|layer|recheck|main|model|capture}
+part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|bench|tests|layer|recheck|main|model|capture|suite}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export MAX_JOBS=16 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TQDM_MININTERVAL=30
@@ -153,6 +156,18 @@ elif [ "$part" = bench ]; then
   jit_wait
   stamp "bench: the issue's full grid, the default (fused) and the unfused path"
   timeout 400 python3 -m twostage_mla bench --unfused --out "$OUT/bench_grid.json" 2>&1 | tail -160
+elif [ "$part" = suite ]; then
+  jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
+  jit_wait
+  stamp "the CPU suite with CUDA present (log: suite.log)"
+  timeout 330 python3 -m pytest -q -rs -p no:cacheprovider -m "not gpu" tests --timeout 200 > "$OUT/suite.log" 2>&1
+  echo "rc=$?"; grep -v "^SKIPPED" "$OUT/suite.log" | grep -v "^  \|^$" | tail -20
+  grep "^SKIPPED" "$OUT/suite.log" | cut -c1-160 | sort | uniq -c | sort -rn | head -12
+  stamp check
+  timeout 120 python3 -m twostage_mla check > "$OUT/check.log" 2>&1
+  echo "rc=$?"; grep -v skipped "$OUT/check.log" | tail -16
+  stamp "the README's demo on the GPU (N = 1 over NCCL)"
+  timeout 90 python3 -m twostage_mla demo --world-size 1 --device cuda 2>&1 | grep -v "USDT\|warn\|func(" | tail -8
 elif [ "$part" = layer ]; then
   jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
   jit_wait
