@@ -164,7 +164,7 @@ elif [ "$part" = suite ]; then
   echo "rc=$?"; grep -v "^SKIPPED" "$OUT/suite.log" | grep -v "^  \|^$" | tail -20
   grep "^SKIPPED" "$OUT/suite.log" | cut -c1-160 | sort | uniq -c | sort -rn | head -12
   stamp check
-  timeout 240 python3 -m twostage_mla check > "$OUT/check.log" 2>&1
+  timeout 300 python3 -m twostage_mla check > "$OUT/check.log" 2>&1
   echo "rc=$?"; grep -v skipped "$OUT/check.log" | tail -16
   stamp "the README's demo on the GPU (N = 1 over NCCL)"
   timeout 90 python3 -m twostage_mla demo --world-size 1 --device cuda 2>&1 | grep -v "USDT\|warn\|func(" | tail -8
