@@ -59,6 +59,10 @@ kernel_tests() {  # the Triton kernels' tests on CUDA
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
     --timeout 90 2>&1 | grep -v "^SKIPPED" | tail -4
 }
+check_all() {  # twostage-mla check, every backend (up to ~190 s where FlashInfer still builds)
+  timeout 300 python3 -m twostage_mla check > "$OUT/check.log" 2>&1
+  echo "rc=$?"; grep -v skipped "$OUT/check.log" | tail -16
+}
 jit_wait() {  # the FlashInfer builds started by jit
   for p in "${pids[@]}"; do wait "$p"; done
   grep -h "ready\|Error" "$OUT/jit.log" | tail -n 4
@@ -115,8 +119,7 @@ elif [ "$part" = tests ]; then
     grep "rank .: \|passed\|failed\|Error\|assert" "$OUT/two_gpus.log" | tail -14
   fi
   stamp check
-  timeout 200 python3 -m twostage_mla check > "$OUT/check.log" 2>&1
-  echo "rc=$?"; grep -v skipped "$OUT/check.log" | tail -16
+  check_all
 elif [ "$part" = kernel ]; then
   jit "mla bfloat16"
   stamp "fused kernel launch-shape sweep (FlashInfer builds in the background)"
@@ -149,8 +152,7 @@ elif [ "$part" = recheck ]; then
   timeout 200 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K,128K --q-len 4,8 --heads 16,128 \
     --backends flashinfer --out "$OUT/bench_recheck.json" 2>&1 | tail -40
   stamp check
-  timeout 200 python3 -m twostage_mla check > "$OUT/check.log" 2>&1
-  echo "rc=$?"; grep -v skipped "$OUT/check.log" | tail -16
+  check_all
 elif [ "$part" = bench ]; then
   jit "mla bfloat16"
   jit_wait
@@ -164,8 +166,7 @@ elif [ "$part" = suite ]; then
   echo "rc=$?"; grep -v "^SKIPPED" "$OUT/suite.log" | grep -v "^  \|^$" | tail -20
   grep "^SKIPPED" "$OUT/suite.log" | cut -c1-160 | sort | uniq -c | sort -rn | head -12
   stamp check
-  timeout 300 python3 -m twostage_mla check > "$OUT/check.log" 2>&1
-  echo "rc=$?"; grep -v skipped "$OUT/check.log" | tail -16
+  check_all
   stamp "the README's demo on the GPU (N = 1 over NCCL)"
   timeout 90 python3 -m twostage_mla demo --world-size 1 --device cuda 2>&1 | grep -v "USDT\|warn\|func(" | tail -8
 elif [ "$part" = layer ]; then
