@@ -38,8 +38,8 @@ def setup(fmt: str, tree: bool, dtype: torch.dtype, lens: str = "long"):
     return cfg, x, attn, plan, v
 
 
-# Every shape with both variants on chains and short trees; long trees (the slowest under the
-# interpreter, and the mask does not depend on the shape) on one MLA and one GQA shape.
+# Every shape: chains in both kernel variants (short, long) and short trees. Long trees, the slowest
+# under the interpreter, on one MLA and one GQA shape only: the tree mask does not depend on the shape.
 CASES = [(f, t, "short") for f in SHAPES for t in (False, True)] + [(f, False, "long") for f in SHAPES]
 CASES += [("mla", True, "long"), ("gqa", True, "long")]
 
