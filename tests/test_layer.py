@@ -309,6 +309,13 @@ def test_config_errors():
         AttentionConfig(0, 16, 16, 4, 0.1)
     with pytest.raises(ValueError, match="page_size to be a positive int, got True"):
         AttentionConfig(4, 16, 16, True, 0.1)
+    # AttentionConfig.mla names its own arguments (rope_dim=True would be taken as 1)
+    for kw, match in [(dict(rope_dim=True), "rope_dim to be an int >= 0, got True"),
+                      (dict(kv_lora_rank="16"), "kv_lora_rank to be an int >= 1, got '16'")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            AttentionConfig.mla(**{**dict(num_heads=4, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.1), **kw})
+    with pytest.raises(ValueError, match="expected group to be a torch.distributed ProcessGroup or None, got 0"):
+        TwoStageAttention(AttentionConfig(4, 16, 16, 4, 0.1), DCPLayout(), group=0)
     for bad in (0.0, float("inf"), float("nan"), torch.tensor(0.1), True):
         with pytest.raises(ValueError, match="scale to be a finite real number > 0"):
             AttentionConfig(4, 16, 16, 4, bad)

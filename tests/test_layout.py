@@ -104,6 +104,49 @@ def test_layout_rejects_bad_values():
         DCPLayout(2.0, 0, 1)
 
 
+def test_formulas_refuse_bad_arguments():
+    # Each would give a plausible number: local_len(9, 2, 2, rank=5) = 4, owner(3, -2, 1) = -1.
+    for call, match in [
+        (lambda: local_len(9, 2, 2, 5), r"0 <= rank < world_size = 2, got rank=5"),
+        (lambda: local_len(9, 2, 2, -1), "expected rank to be an int >= 0, got -1"),
+        (lambda: local_len(-5, 2, 2, 0), "expected length to be an int >= 0, got -5"),
+        (lambda: local_len(9.0, 2, 2, 0), "expected length to be an int >= 0, got 9.0"),
+        (lambda: local_len(torch.tensor([9.0]), 2, 2, 0), "expected length to be an int or an integer tensor"),
+        (lambda: owner(3, -2, 1), "expected world_size to be an int >= 1, got -2"),
+        (lambda: owner(True, 2, 1), "expected p to be an int >= 0, got True"),
+        (lambda: local_index(3, 2, 0), "expected interleave to be an int >= 1, got 0"),
+        (lambda: local_pages(9, 2, 2, 0, 0), "expected page_size to be an int >= 1, got 0"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+    # Integer tensors of any integer dtype, and NumPy ints, still work.
+    assert local_len(torch.tensor([9], dtype=torch.int16), 2, 2, 0).tolist() == [5]
+    np = pytest.importorskip("numpy")
+    assert local_pages(np.int64(9), np.int32(2), 2, 0, 4) == 2
+
+
+def test_kv_slots_refuse_bad_arguments():
+    pos, req, table = torch.tensor([0, 1]), torch.tensor([0, 0]), torch.tensor([[2]], dtype=torch.int32)
+    lay, want = DCPLayout(), "to be a {}-D signed integer tensor, got torch.{}"
+    for change, match in [
+        # uint8: the -1 of unused entries would read as page 255; a float table would be truncated
+        (dict(block_table=table.to(torch.uint8)), "expected block_table " + want.format(2, "uint8")),
+        (dict(block_table=table.float()), "expected block_table " + want.format(2, "float32")),
+        (dict(positions=pos.float()), "expected positions " + want.format(1, "float32")),
+        (dict(positions=torch.tensor([0, -1])), "expected positions >= 0, got -1"),
+        (dict(request=torch.tensor([0, -1])), r"expected 0 <= request < block_table.shape\[0\] = 1, got -1"),
+        (dict(request=torch.tensor([0, 1])), r"expected 0 <= request < block_table.shape\[0\] = 1, got 1"),
+        (dict(request=torch.tensor([0])), r"expected request.shape == positions.shape = \(2,\), got \(1,\)"),
+        (dict(page_size=-2), "expected page_size to be a positive multiple of interleave = 1, got -2"),
+        (dict(page_size=1.5), "expected page_size to be a positive multiple of interleave = 1, got 1.5"),
+        (dict(layout=None), "expected layout to be a DCPLayout, got NoneType"),
+    ]:
+        args = {**dict(positions=pos, request=req, block_table=table, page_size=4, layout=lay), **change}
+        with pytest.raises(ValueError, match=match):
+            kv_slots(**args)
+    assert kv_slots(pos, req, table, 4, lay).tolist() == [8, 9]
+
+
 def test_layout_takes_numpy_ints_as_python_ints():
     # Engines read sizes from configs, often as NumPy scalars: the same layout (a plan's check compares them).
     np = pytest.importorskip("numpy")

@@ -61,6 +61,12 @@ def test_oracle_empty_batch_with_parents():
         (dict(parents=torch.tensor([-1, 0])), r"expected parents.shape == \(T,\) = \(4,\)"),
         (dict(parents=torch.tensor([-1, -1, 2, 0])), "parents before children"),
         (dict(seq_lens=[1, 6]), "expected seq_lens to be a 1-D signed integer tensor"),
+        # the layer refuses these scales too: a NaN one would give a NaN oracle, 0 or -1 a wrong one
+        (dict(scale=float("nan")), "expected scale to be a finite real number > 0"),
+        (dict(scale=-1.0), "expected scale to be a finite real number > 0"),
+        (dict(scale=None), "expected scale to be a finite real number > 0"),
+        (dict(q=torch.randn(4, 2, 8, dtype=torch.cfloat)), "expected q: a 3-D floating-point tensor with values, got "),
+        (dict(k=torch.randn(7, 1, 8, device="meta")), "expected k: a 3-D floating-point tensor .* on meta"),
     ],
 )
 def test_oracle_refuses_inputs_that_disagree(change, match):

@@ -194,3 +194,12 @@ def test_metadata_without_values_is_refused_by_name():
     with pytest.raises(ValueError, match="expected seq_lens on cpu like query_start_loc, got meta"):
         plan_step(torch.tensor([0, 1]), torch.tensor([2], device="meta"), torch.zeros(1, 1, **I32), page_size=4,
                   layout=DCPLayout())  # fmt: skip
+    with pytest.raises(ValueError, match="expected parents with values, got a meta tensor"):
+        plan_step(torch.tensor([0, 1]), torch.tensor([2]), torch.zeros(1, 1, **I32), page_size=4, layout=DCPLayout(),
+                  parents=torch.tensor([-1], device="meta"))  # fmt: skip
+    # write_new_tokens: a cache or new tokens on another device than the plan's (meta stands in for one)
+    plan = plan_step(torch.tensor([0, 1]), torch.tensor([2]), torch.zeros(1, 1, **I32), page_size=4, layout=DCPLayout())
+    cache, new = torch.zeros(1, 4, 1, 8), torch.ones(1, 1, 8)
+    for c, n, name in ((cache, new.to("meta"), "new"), (cache.to("meta"), new.to("meta"), "cache")):
+        with pytest.raises(ValueError, match=f"expected {name} on cpu, the plan's device, got meta"):
+            plan.write_new_tokens(c, n)

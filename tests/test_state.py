@@ -79,10 +79,27 @@ def test_shape_errors_name_arguments():
         merge_states(torch.randn(2, 3, 4), torch.randn(2, 3, 4))
     with pytest.raises(ValueError, match="o_a"):
         merge_state(torch.randn(3, 4, 5), torch.randn(3, 4), torch.randn(3, 4, 6), torch.randn(3, 4))
-    with pytest.raises(ValueError, match="expected lse_a float32 and o_a of a float dtype"):
+    with pytest.raises(ValueError, match=r"expected lse_a float32 \(written in place\), got torch.float16"):
         merge_state_(torch.randn(3, 4, 5), torch.randn(3, 4).half(), torch.randn(3, 4, 5), torch.randn(3, 4))
     with pytest.raises(ValueError, match=r"expected extra = \(o \(T, H, Dv\) = \(3, 4, 5\), lse \(T, H\) = \(3, 4\)\)"):
         merge_states(torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4), extra=(torch.randn(3, 4, 6), torch.randn(3, 4)))
+
+
+def test_dtype_and_device_errors_name_arguments():
+    o, lse = torch.randn(3, 4, 5), torch.randn(3, 4)
+    # An integer o would merge in integer maths (0 for 0.5), a complex one would lose its imaginary part.
+    with pytest.raises(ValueError, match="expected o_a to be a floating-point tensor, got a torch.int64 tensor"):
+        merge_state(torch.ones(3, 4, 5, dtype=torch.long), lse, o, lse)
+    with pytest.raises(ValueError, match="expected o to be a floating-point tensor, got a torch.complex64"):
+        merge_states(torch.randn(2, 3, 4, 5, dtype=torch.cfloat), torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match="expected lse_b to be a floating-point tensor, got NoneType"):
+        merge_state_(o, lse, o, None)
+    with pytest.raises(ValueError, match=r"expected o, lse on one device, got \['cpu', 'meta'\]"):
+        merge_states(torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, device="meta"))
+    with pytest.raises(ValueError, match="expected out_dtype to be None or a floating torch.dtype, got 'float16'"):
+        merge_state(o, lse, o, lse, out_dtype="float16")
+    with pytest.raises(ValueError, match=r"expected extra = \(o \(T, H, Dv\), lse \(T, H\)\), got Tensor"):
+        merge_states(torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4), extra=o)
 
 
 @pytest.mark.parametrize("big", [1e2, 1e4, 1e5])

@@ -10,8 +10,7 @@ import numbers
 
 import torch
 
-from twostage_mla.layout import DCPLayout, kv_slots, local_pages
-from twostage_mla.plan import _check_page_size, _int_tensor
+from twostage_mla.layout import DCPLayout, _check_page_size, _int_tensor, kv_slots, local_pages
 
 
 def build_shard(
@@ -29,7 +28,7 @@ def build_shard(
     kv: (S, H_kv, D) requests' positions 0 .. seq_lens[b]-1 concatenated.
     seq_lens: (B,) int.
     extra_pages: unused pages to add.
-    generator: if given, pages are handed out in a random order.
+    generator: a CPU torch.Generator; if given, pages are handed out in a random order.
     fill: value of every slot no position is written to (None: random
         noise), so a kernel that reads past a request's length shows up;
         NaN imitates an engine's uninitialised cache.
@@ -45,7 +44,13 @@ def build_shard(
     if not isinstance(kv, torch.Tensor) or kv.dim() != 3 or kv.shape[0] != sum(sl):
         got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
         raise ValueError(f"expected kv: (S = seq_lens.sum() = {sum(sl)}, H_kv, D), got {got}")
+    if not kv.is_floating_point() or kv.device.type == "meta":
+        raise ValueError(f"expected kv: a floating-point tensor with values, got {kv.dtype} on {kv.device}")
     _check_page_size(page_size, layout)
+    if generator is not None and not (isinstance(generator, torch.Generator) and generator.device.type == "cpu"):
+        raise ValueError(f"expected generator to be a CPU torch.Generator or None, got {generator!r}")
+    if fill is not None and (isinstance(fill, bool) or not isinstance(fill, numbers.Real)):
+        raise ValueError(f"expected fill to be a real number or None, got {fill!r}")
     if isinstance(extra_pages, bool) or not isinstance(extra_pages, numbers.Integral) or extra_pages < 0:
         raise ValueError(f"expected extra_pages >= 0, got {extra_pages!r}")
     n, r, i = layout.world_size, layout.rank, layout.interleave

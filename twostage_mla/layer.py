@@ -62,6 +62,9 @@ class AttentionConfig:
     @classmethod
     def mla(cls, *, num_heads: int, kv_lora_rank: int, rope_dim: int, page_size: int, scale: float) -> AttentionConfig:
         """MLA with absorbed queries: q (T, H, kv_lora_rank + rope_dim)."""
+        for name, v, low in (("kv_lora_rank", kv_lora_rank, 1), ("rope_dim", rope_dim, 0)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
+                raise ValueError(f"expected {name} to be an int >= {low}, got {v!r}")
         return cls(num_heads, kv_lora_rank + rope_dim, kv_lora_rank, page_size, scale, 1, "mla")
 
     def __post_init__(self) -> None:
@@ -84,12 +87,17 @@ class AttentionConfig:
             raise ValueError(
                 f"expected num_heads to be a multiple of num_kv_heads = {self.num_kv_heads}, got {self.num_heads}"
             )
-        if isinstance(self.scale, bool) or not (isinstance(self.scale, numbers.Real) and 0 < self.scale < math.inf):
-            raise ValueError(
-                f"expected scale to be a finite real number > 0 (a Python or NumPy float), got {self.scale!r} "
-                f"({type(self.scale).__name__})"
-            )
-        object.__setattr__(self, "scale", float(self.scale))
+        object.__setattr__(self, "scale", _check_scale(self.scale))
+
+
+def _check_scale(scale: Any) -> float:
+    """scale as a Python float; raise unless it is a finite real number > 0."""
+    if isinstance(scale, bool) or not (isinstance(scale, numbers.Real) and 0 < scale < math.inf):
+        raise ValueError(
+            f"expected scale to be a finite real number > 0 (a Python or NumPy float), got {scale!r} "
+            f"({type(scale).__name__})"
+        )
+    return float(scale)
 
 
 def _check(name: str, t: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
@@ -194,6 +202,8 @@ class TwoStageAttention:
         max_q_len: int | None = None,
         fuse_query: bool | None = None,
     ) -> None:
+        if group is not None and not isinstance(group, dist.ProcessGroup):  # nothing to agree through
+            raise ValueError(f"expected group to be a torch.distributed ProcessGroup or None, got {group!r}")
         if isinstance(layout, DCPLayout) and layout.world_size > 1 and group is None:
             raise ValueError(f"expected a process group of size {layout.world_size}, got group=None")
         # With a group of more than one rank, the ranks agree on the layer here (one small

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from twostage_mla.plan import _int_tensor, _step_lengths, _tree_mask
+from twostage_mla.layer import _check_scale
+from twostage_mla.layout import _int_tensor
+from twostage_mla.plan import _step_lengths, _tree_mask
 
 
 def oracle_attention(
@@ -32,6 +34,7 @@ def oracle_attention(
         requests concatenated (S = seq_lens.sum()); for MLA pass
         v = k[..., :kv_lora_rank] with H_kv = 1.
     query_start_loc: (B+1,) int; seq_lens: (B,) int.
+    scale: a finite float > 0, as in :class:`AttentionConfig`.
     parents: optional (T,) int tree parents as in :func:`plan_step`; query j
         then sees the context and its ancestors-or-self among the new tokens.
     returns o (T, H, Dv) float64, lse (T, H) float64 (natural log).
@@ -43,9 +46,11 @@ def oracle_attention(
     (torch.Size([3, 4, 6]), torch.Size([3, 4]))
     """
     qsl, sl, _ = _step_lengths(_int_tensor("query_start_loc", query_start_loc, 1), _int_tensor("seq_lens", seq_lens, 1))
+    scale = _check_scale(scale)
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            raise ValueError(f"expected {name}: a 3-D tensor, got {getattr(x, 'shape', type(x).__name__)}")
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.is_floating_point() or x.device.type == "meta":
+            got = f"{x.dtype} {tuple(x.shape)} on {x.device}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"expected {name}: a 3-D floating-point tensor with values, got {got}")
     h, hk = q.shape[1], k.shape[1]
     if q.shape[0] != qsl[-1] or q.shape[2] != k.shape[2] or hk < 1 or h % hk:
         raise ValueError(

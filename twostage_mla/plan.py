@@ -7,13 +7,12 @@ ranks' agreement), so the per-layer call never has to.
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from twostage_mla.layout import DCPLayout, kv_slots, local_len, local_pages
+from twostage_mla.layout import DCPLayout, _check_page_size, _int_tensor, kv_slots, local_len, local_pages
 
 
 @dataclass(frozen=True)
@@ -101,6 +100,10 @@ class StepPlan:
         if not isinstance(new, torch.Tensor) or new.shape != want or new.dtype != cache.dtype:
             got = f"{tuple(new.shape)} {new.dtype}" if isinstance(new, torch.Tensor) else type(new).__name__
             raise ValueError(f"expected new: (T, H_kv, D) = {want} {cache.dtype} like cache, got {got}")
+        device = self.write_slots.device
+        for name, t in (("cache", cache), ("new", new)):
+            if t.device != device:
+                raise ValueError(f"expected {name} on {device}, the plan's device, got {t.device}")
         _check_pages(self, "cache.shape[0]", cache.shape[0])
         limits = self.made_for[1] if self.made_for is not None else None
         if limits is not None and limits.given and cache.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -121,24 +124,6 @@ def _check_pages(plan: StepPlan, name: str, pages: int) -> None:
         raise ValueError(
             f"expected block_table page ids < {name} = {pages} (pages of this rank's cache), "
             f"got page id {plan.max_page_id}"
-        )
-
-
-def _int_tensor(name: str, x: Any, dim: int) -> torch.Tensor:
-    # Signed only: an unsigned table would wrap the -1 of unused entries (uint8: page 255).
-    bad = not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.is_complex() or not x.dtype.is_signed
-    if bad or x.dim() != dim:
-        got = f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"expected {name} to be a {dim}-D signed integer tensor, got {got}")
-    return x
-
-
-def _check_page_size(page_size: Any, layout: DCPLayout) -> None:
-    """Raise unless page_size is a positive int and a multiple of the layout's interleave."""
-    bad = isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral)
-    if bad or page_size < 1 or page_size % layout.interleave:
-        raise ValueError(
-            f"expected page_size to be a positive multiple of interleave = {layout.interleave}, got {page_size!r}"
         )
 
 
@@ -169,6 +154,8 @@ def _step_lengths(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tupl
 def _tree_mask(parents: Any, qsl: list[int]) -> torch.Tensor:
     """Check tree ``parents`` ((T,) int, within-request indices) of a step; returns its ancestor mask on the host."""
     par = _int_tensor("parents", parents, 1)
+    if par.device.type == "meta":  # read on the host below
+        raise ValueError("expected parents with values, got a meta tensor")
     if par.shape[0] != qsl[-1]:
         raise ValueError(f"expected parents.shape == (T,) = ({qsl[-1]},), got {tuple(par.shape)}")
     q_lens = [b - a for a, b in zip(qsl, qsl[1:])]

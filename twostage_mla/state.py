@@ -46,6 +46,20 @@ def lse_weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return m + torch.log(total), e / torch.where(total == 0, torch.ones_like(total), total)
 
 
+def _check_floats(out_dtype: torch.dtype | None, **tensors: torch.Tensor) -> None:
+    """Raise unless every tensor is a real floating tensor on one device, and out_dtype None or a float dtype."""
+    devices = set()
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            got = f"a {t.dtype} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"expected {name} to be a floating-point tensor, got {got}")
+        devices.add(t.device)
+    if len(devices) > 1:
+        raise ValueError(f"expected {', '.join(tensors)} on one device, got {sorted(map(str, devices))}")
+    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        raise ValueError(f"expected out_dtype to be None or a floating torch.dtype, got {out_dtype!r}")
+
+
 def merge_states(
     o: torch.Tensor,
     lse: torch.Tensor,
@@ -66,6 +80,12 @@ def merge_states(
     >>> o.shape, lse.shape
     (torch.Size([5, 2, 8]), torch.Size([5, 2]))
     """
+    states = {"o": o, "lse": lse}
+    if extra is not None:
+        if not isinstance(extra, (tuple, list)) or len(extra) != 2:
+            raise ValueError(f"expected extra = (o (T, H, Dv), lse (T, H)), got {type(extra).__name__}")
+        states.update({"extra[0]": extra[0], "extra[1]": extra[1]})
+    _check_floats(out_dtype, **states)
     if o.dim() != 4 or lse.shape != o.shape[:3]:
         raise ValueError(
             f"expected o: (K, T, H, Dv) and lse: (K, T, H) = {tuple(o.shape[:3])}, "
@@ -73,7 +93,7 @@ def merge_states(
         )
     out_dtype = out_dtype or o.dtype
     if extra is not None:
-        if len(extra) != 2 or extra[0].shape != o.shape[1:] or extra[1].shape != lse.shape[1:]:
+        if extra[0].shape != o.shape[1:] or extra[1].shape != lse.shape[1:]:
             raise ValueError(
                 f"expected extra = (o (T, H, Dv) = {tuple(o.shape[1:])}, lse (T, H) = {tuple(lse.shape[1:])}), "
                 f"got {[tuple(x.shape) for x in extra]}"
@@ -107,6 +127,7 @@ def merge_state(
     >>> o.shape, lse.shape
     (torch.Size([5, 2, 8]), torch.Size([5, 2]))
     """
+    _check_floats(out_dtype, o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b)
     if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape or lse_a.shape != o_a.shape[:2]:
         raise ValueError(
             f"expected o_a, o_b: (T, H, Dv) alike and lse_a, lse_b: (T, H); got o_a "
@@ -126,9 +147,9 @@ def merge_state_(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
     o_a: (T, H, Dv) any float dtype, lse_a: (T, H) float32 (both written); o_b: (T, H, Dv) any float dtype,
     lse_b: (T, H) float32.
     """
-    if lse_a.dtype != torch.float32 or not o_a.is_floating_point():
-        raise ValueError(f"expected lse_a float32 and o_a of a float dtype (written in place), got {lse_a.dtype}, "
-                         f"{o_a.dtype}")  # fmt: skip
+    _check_floats(None, o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b)
+    if lse_a.dtype != torch.float32:
+        raise ValueError(f"expected lse_a float32 (written in place), got {lse_a.dtype}")
     o, lse = merge_state(o_a, lse_a, o_b, lse_b)
     o_a.copy_(o)
     lse_a.copy_(lse)
