@@ -481,6 +481,8 @@ def _rank_main(rank: int, world: int, init: str, out_dir: str, model: dict, case
             layout = DCPLayout(world, rank, kw.pop("interleave"))
             results.append(decode(model, layout, dist.group.WORLD if world > 1 else None, **kw))
         torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+        if world > 1:
+            dist.barrier()  # no rank tears its group down while another still uses it
     finally:
         if world > 1:
             dist.destroy_process_group()

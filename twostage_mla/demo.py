@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -109,6 +110,10 @@ def _step_shape(a: DemoArgs) -> tuple[list[int], list[int]]:
 
 
 def _worker(rank: int, a: DemoArgs, device: str, init: str, out_path: str) -> None:
+    # Stdout is the parent's report (or JSON): what a rank's libraries print there goes to stderr
+    # (torch 2.8's gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks" from C++, at the fd).
+    sys.stdout.flush()
+    os.dup2(2, 1)
     backend_name = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(rank)
