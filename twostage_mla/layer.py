@@ -31,7 +31,7 @@ from torch.profiler import record_function
 
 from twostage_mla import comm
 from twostage_mla.backends import AttentionSpec, CaptureLimits, select_backend, select_merge, select_query_merge
-from twostage_mla.layout import DCPLayout
+from twostage_mla.layout import DCPLayout, _int_arg
 from twostage_mla.plan import StepPlan, _check_pages, plan_step
 
 # Profiler ranges of the per-layer call, in order (cheap when no profiler runs).
@@ -62,9 +62,8 @@ class AttentionConfig:
     @classmethod
     def mla(cls, *, num_heads: int, kv_lora_rank: int, rope_dim: int, page_size: int, scale: float) -> AttentionConfig:
         """MLA with absorbed queries: q (T, H, kv_lora_rank + rope_dim)."""
-        for name, v, low in (("kv_lora_rank", kv_lora_rank, 1), ("rope_dim", rope_dim, 0)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
-                raise ValueError(f"expected {name} to be an int >= {low}, got {v!r}")
+        _int_arg("kv_lora_rank", kv_lora_rank, 1)
+        _int_arg("rope_dim", rope_dim, 0)
         return cls(num_heads, kv_lora_rank + rope_dim, kv_lora_rank, page_size, scale, 1, "mla")
 
     def __post_init__(self) -> None:
