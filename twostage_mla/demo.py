@@ -143,7 +143,7 @@ def _worker(rank: int, a: DemoArgs, device: str, init: str, out_path: str) -> No
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
         # Only rank 0 reports phases, so only it profiles. Rare aborts of a non-zero rank on CPU
         # ("terminate called without an active exception") point at a profile left unread there.
-        with profile(activities=activities) if rank == 0 else contextlib.nullcontext() as prof:
+        with _quiet_profile(activities) if rank == 0 else contextlib.nullcontext() as prof:
             for _ in range(a.iters):
                 out = attn(x.q, x.k, None, x.k_cache, None, plan)
             if device == "cuda":
@@ -195,6 +195,37 @@ def _worker(rank: int, a: DemoArgs, device: str, init: str, out_path: str) -> No
         dist.barrier()  # no rank tears its group down while rank 0 still receives
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _quiet_profile(activities: list[ProfilerActivity]):
+    """torch.profiler.profile, less the lines its C++ (kineto) prints on stderr as it starts and stops.
+
+    Those lines ("USDT: ... profiler_start") were the first a user saw of the main job. Only the
+    start and the stop are silenced, so anything the profiled layer calls print still shows.
+    """
+    prof = profile(activities=activities)
+    with _no_stderr():
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with _no_stderr():
+            prof.stop()
+
+
+@contextlib.contextmanager
+def _no_stderr():
+    """File descriptor 2 to /dev/null for a while: C++ writes there, past sys.stderr."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def _free_port() -> int:
