@@ -59,10 +59,14 @@ kernel_tests() {  # the Triton kernels' tests on CUDA
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_merge.py tests/test_kernels_query_merge.py \
     --timeout 90 2>&1 | grep -v "^SKIPPED" | tail -4
 }
-check_all() {  # twostage-mla check, every backend (up to ~190 s where FlashInfer still builds)
-  timeout 300 python3 -m twostage_mla check > "$OUT/check.log" 2>&1
-  echo "rc=$?"; grep -v skipped "$OUT/check.log" | tail -16
+check_start() {  # twostage-mla check, every backend, in the background (~190 s where FlashInfer still builds)
+  timeout "${1:-300}" python3 -m twostage_mla check > "$OUT/check.log" 2>&1 &
+  chk=$!
 }
+check_report() {
+  wait "$chk"; echo "check rc=$?"; grep -v skipped "$OUT/check.log" | tail -16
+}
+check_all() { check_start 300; check_report; }
 jit_wait() {  # the FlashInfer builds started by jit
   for p in "${pids[@]}"; do wait "$p"; done
   grep -h "ready\|Error" "$OUT/jit.log" | tail -n 4
@@ -161,15 +165,14 @@ elif [ "$part" = bench ]; then
 elif [ "$part" = suite ]; then
   # In turn they took ~130 + 300 + 190 s, past a call's 600 (session 15): check (its own FlashInfer builds)
   # runs beside the builds and the suite.
-  timeout 400 python3 -m twostage_mla check > "$OUT/check.log" 2>&1 &
-  chk=$!
+  check_start 400
   jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
   jit_wait
   stamp "the CPU suite with CUDA present (log: suite.log)"
   timeout 330 python3 -m pytest -q -rs -p no:cacheprovider -m "not gpu" tests --timeout 200 > "$OUT/suite.log" 2>&1
   echo "rc=$?"; grep -v "^SKIPPED" "$OUT/suite.log" | grep -v "^  \|^$" | tail -20
   grep "^SKIPPED" "$OUT/suite.log" | cut -c1-160 | sort | uniq -c | sort -rn | head -12
-  wait "$chk"; echo "check rc=$?"; grep -v skipped "$OUT/check.log" | tail -16
+  check_report
   stamp "the README's demo on the GPU (N = 1 over NCCL)"
   timeout 90 python3 -m twostage_mla demo --world-size 1 --device cuda 2>&1 | grep -v "USDT\|warn\|func(" | tail -8
 elif [ "$part" = layer ]; then
@@ -180,10 +183,9 @@ elif [ "$part" = layer ]; then
     tests/test_backends_gpu.py --timeout 200 > "$OUT/gpu_tests.log" 2>&1
   grep -v "^SKIPPED" "$OUT/gpu_tests.log" | grep -v "^  \|^$" | tail -30
   stamp "check in the background, main meanwhile"
-  timeout 200 python3 -m twostage_mla check > "$OUT/check.log" 2>&1 &
-  chk=$!
+  check_start 200
   bash "$0" main
-  wait "$chk"; echo "check rc=$?"; grep -v skipped "$OUT/check.log" | tail -16
+  check_report
   stamp done
   exit 0
 elif [ "$part" = main ]; then
@@ -196,11 +198,15 @@ elif [ "$part" = main ]; then
       > "$OUT/demo_$combine.json" 2> "$OUT/demo_$combine.err"
     echo "rc=$?"; head -c 700 "$OUT/demo_$combine.json"; echo; tail -3 "$OUT/demo_$combine.err"
   done
+  stamp "the demo's stderr: USDT lines and NCCL device warnings (0 expected since session 16)"
+  cat "$OUT"/demo_*.err | grep -c "USDT\|Guessing device ID\|device under current context"
   stamp "demo N=$n, I=16"
   timeout 90 python3 -m twostage_mla demo --world-size $n --device cuda --interleave 16 2>&1 \
     | grep -v "USDT\|warn\|func(" | tail -12
   stamp "torchrun example on $n GPU(s)"
-  timeout 90 torchrun --nproc-per-node $n examples/torchrun_dcp_step.py --cuda 2>&1 | grep "rank\|Error" | tail -4
+  timeout 90 torchrun --nproc-per-node $n examples/torchrun_dcp_step.py --cuda > "$OUT/torchrun.log" 2>&1
+  echo "rc=$?"; grep "rank\|Error" "$OUT/torchrun.log" | grep -v "Guessing\|current context" | tail -4
+  echo "NCCL device warnings: $(grep -c "Guessing device ID\|device under current context" "$OUT/torchrun.log")"
 elif [ "$part" = model ]; then
   for opt in "--q-len 4" "--tree"; do  # float32: greedy tokens equal transformers' generate
     stamp "DeepSeek-V3 real dims, float32, N=$ngpu over NCCL, $opt"

@@ -129,7 +129,9 @@ def _worker(rank: int, a: argparse.Namespace, init: str, out_path: str) -> None:
     else:
         torch.set_num_threads(1)
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if a.device == "cuda" else "gloo", init_method=init, rank=rank, world_size=n)
+    gpu = device if a.device == "cuda" else None  # binds NCCL to this rank's GPU
+    name = "nccl" if a.device == "cuda" else "gloo"
+    dist.init_process_group(name, init_method=init, rank=rank, world_size=n, device_id=gpu)
     group = dist.group.WORLD
     dtype = getattr(torch, a.dtype)
     e = torch.empty((), dtype=dtype).element_size()

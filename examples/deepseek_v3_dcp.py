@@ -469,7 +469,9 @@ def _rank_main(rank: int, world: int, init: str, out_dir: str, model: dict, case
     else:
         torch.set_num_threads(1)  # N ranks share the CPUs (and a forked child must not reuse the parent's OpenMP pool)
     if world > 1:
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world)
+        gpu = torch.device("cuda", rank) if cuda else None  # binds NCCL to this rank's GPU
+        name = "nccl" if cuda else "gloo"
+        dist.init_process_group(name, init_method=init, rank=rank, world_size=world, device_id=gpu)
     try:
         # every rank: the same weights
         dev = torch.device("cuda", rank) if cuda else torch.device("cpu")

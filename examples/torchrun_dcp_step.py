@@ -36,7 +36,8 @@ rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.cuda else torch.device("cpu")
 if args.cuda:
     torch.cuda.set_device(device)
-dist.init_process_group("nccl" if args.cuda else "gloo")
+# device_id binds NCCL to this rank's GPU; without it NCCL guesses from the rank, and warns
+dist.init_process_group("nccl" if args.cuda else "gloo", device_id=device if args.cuda else None)
 group = dist.group.WORLD
 dtype = torch.bfloat16 if args.cuda else torch.float32
 

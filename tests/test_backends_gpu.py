@@ -463,8 +463,10 @@ def _nccl_worker(rank: int, world: int, init: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=90))
     dev = torch.device("cuda", rank)
+    dist.init_process_group(
+        "nccl", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=90), device_id=dev
+    )
     results, layers = [], []
     path = os.path.join(out_dir, f"{rank}.pt")
     try:

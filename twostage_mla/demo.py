@@ -119,7 +119,9 @@ def _worker(rank: int, a: DemoArgs, device: str, init: str, out_path: str) -> No
         torch.cuda.set_device(rank)
     else:  # N ranks share the CPUs; one thread each also keeps float32 exact (tests/conftest.py says why)
         torch.set_num_threads(1)
-    dist.init_process_group(backend_name, init_method=init, rank=rank, world_size=a.world_size)
+    # device_id binds NCCL to this rank's GPU (without it NCCL guesses from the rank, and warns)
+    gpu = torch.device("cuda", rank) if device == "cuda" else None
+    dist.init_process_group(backend_name, init_method=init, rank=rank, world_size=a.world_size, device_id=gpu)
     try:
         dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
         dtype = getattr(torch, a.dtype)
