@@ -50,3 +50,20 @@ def test_benchmark_runs_on_gloo(tmp_path):
         assert all(v > 0 for v in r["ms"].values())
         # (N-1)/N * T * H * (D*e + Dv*e + 4), N = 2, T = 4, H = 2*2, D = 48, Dv = 32, bf16
         assert r["predicted_bytes"]["split_a2a"] == pytest.approx(0.5 * 4 * 4 * (48 * 2 + 32 * 2 + 4))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ("--world-size 1", "expected --world-size >= 2 (a group to move bytes across), got 1"),
+        ("--tokens 4 0", "expected --tokens >= 1, got 0"),
+        ("--heads-per-rank -2", "expected --heads-per-rank >= 1, got -2"),
+        ("--iters 0", "expected --iters >= 1, got 0"),
+        ("--warmup -1", "expected --warmup >= 0, got -1"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(argv, message, capsys):
+    # before any process starts: N = 1 once ran to a ZeroDivisionError inside the rank (H200, session 16)
+    with pytest.raises(SystemExit) as e:
+        pc.main(["--device", "cpu", *argv.split()])
+    assert e.value.code == 2 and message in capsys.readouterr().err
