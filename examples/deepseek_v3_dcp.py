@@ -523,7 +523,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world-size", type=int, default=2, help="N, ranks of the DCP group")
     ap.add_argument("--interleave", type=int, default=1, help="I, consecutive tokens per rank")
-    ap.add_argument("--q-len", type=int, default=4, help="tokens per verification step (chain)")
+    ap.add_argument("--q-len", type=int, default=None, help="tokens per verification step (chain; default 4)")
     ap.add_argument("--tree", action="store_true", help=f"verify a draft tree {TREE} instead of a chain")
     ap.add_argument("--chunk", type=int, default=16, help="prefill chunk (Q of a prefill step)")
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[37, 23])
@@ -535,6 +535,11 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    if a.tree and a.q_len is not None:  # the tree sets the step's tokens itself
+        ap.error(f"expected --q-len or --tree, not both (the tree verifies {len(TREE)} tokens a step)")
+    a.q_len = 4 if a.q_len is None else a.q_len
+    if not 0 <= a.seed < 2**32:  # ranks seed seed + 1000 x rank: far from the generator's 64-bit limit
+        ap.error(f"expected 0 <= --seed < 2**32, got {a.seed}")
     for name in ("world_size", "interleave", "q_len", "chunk", "max_new_tokens", "page_size"):
         if getattr(a, name) < 1:
             ap.error(f"expected --{name.replace('_', '-')} >= 1, got {getattr(a, name)}")

@@ -18,6 +18,10 @@ import torch.distributed as dist
 from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention, oracle_attention
 from twostage_mla.layout import kv_slots, local_pages
 
+# --- model shapes: DeepSeek-V2-Lite's MLA; 16 heads split over the group (TP) -------------
+HEADS, LORA, ROPE, PAGE = 16, 512, 64, 64
+D = LORA + ROPE
+
 p = argparse.ArgumentParser(description="One DCP step with draft tokens; start it with torchrun.")
 p.add_argument("--cuda", action="store_true", help="NCCL, one GPU a rank (default: gloo on CPUs)")
 p.add_argument("--interleave", type=int, default=1, help="I: tokens per rank in turn; divides the page size 64")
@@ -25,8 +29,10 @@ args = p.parse_args()
 missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") if v not in os.environ]
 if missing:
     p.error(f"expected to be started by torchrun ({', '.join(missing)} unset), e.g. torchrun --nproc-per-node 2 ...")
-if args.interleave < 1 or 64 % args.interleave:
-    p.error(f"expected --interleave to divide the page size 64, got {args.interleave}")
+if args.interleave < 1 or PAGE % args.interleave:
+    p.error(f"expected --interleave to divide the page size {PAGE}, got {args.interleave}")
+if HEADS % int(os.environ["WORLD_SIZE"]):  # each rank keeps HEADS / N of them: the rest would silently go missing
+    p.error(f"expected a group size that divides the {HEADS} heads, got {os.environ['WORLD_SIZE']} ranks")
 if args.cuda and torch.cuda.device_count() < int(os.environ["LOCAL_WORLD_SIZE"]):
     p.error(f"expected a GPU for each of the {os.environ['LOCAL_WORLD_SIZE']} local ranks with --cuda, "
             f"found {torch.cuda.device_count()}")  # fmt: skip
@@ -41,11 +47,7 @@ dist.init_process_group("nccl" if args.cuda else "gloo", device_id=device if arg
 group = dist.group.WORLD
 dtype = torch.bfloat16 if args.cuda else torch.float32
 
-# --- model shapes: DeepSeek-V2-Lite's MLA; 16 heads split over the group (TP) -------------
-HEADS, LORA, ROPE, PAGE = 16, 512, 64, 64
-D = LORA + ROPE
-if HEADS % world:  # each rank keeps HEADS / N of them: the rest would silently go missing
-    raise SystemExit(f"expected a group size that divides the {HEADS} heads, got {world} ranks")
+# --- this rank's layer: its HEADS / N heads -----------------------------------------------
 cfg = AttentionConfig.mla(num_heads=HEADS // world, kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=D**-0.5)
 layout = DCPLayout(world, rank, args.interleave)
 attn = TwoStageAttention(cfg, layout, group=group, combine="a2a", dtype=dtype, device=device)

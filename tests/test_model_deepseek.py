@@ -118,6 +118,8 @@ def test_bad_options_are_refused_by_name(monkeypatch, capsys):
     for argv, msg in (
         (["--q-len", "0"], "expected --q-len >= 1, got 0"),
         (["--page-size", "6", "--interleave", "4"], "expected --page-size a multiple of --interleave = 4, got 6"),
+        (["--tree", "--q-len", "2"], "expected --q-len or --tree, not both (the tree verifies 8 tokens a step)"),
+        (["--seed", str(2**64 - 1)], f"expected 0 <= --seed < 2**32, got {2**64 - 1}"),
     ):
         monkeypatch.setattr(sys, "argv", ["deepseek_v3_dcp.py", *argv])
         with pytest.raises(SystemExit) as e:

@@ -62,7 +62,10 @@ def _host_bytes_needed(a: DemoArgs) -> int:
     longest request (its K/V, scores and softmax)."""
     d, n = a.kv_lora_rank + a.rope_dim, a.max_context + a.max_q_len
     oracle = n * (d + a.kv_lora_rank) * 8 + 3 * a.heads * a.max_q_len * n * 8
-    return a.world_size * (3 * a.batch * n * d * 4 + 3 * 2**27) + oracle  # torch itself: ~0.25 - 0.4 GiB
+    # The shard holds whole pages: at least one per request, however short, and two spare ones.
+    local = -(-n // a.world_size) + a.interleave
+    shard = (a.batch * -(-local // a.page_size) + 2) * a.page_size * d * 4
+    return a.world_size * (a.batch * n * d * 4 + 2 * shard + 3 * 2**27) + oracle  # torch itself: ~0.25 - 0.4 GiB
 
 
 def _host_bytes() -> int:
@@ -251,6 +254,8 @@ def run_demo(args: DemoArgs) -> dict:
         raise ValueError(f"expected page_size to be a multiple of interleave = {args.interleave}, got {args.page_size}")
     if not 0 <= args.min_context <= args.max_context:
         raise ValueError(f"expected 0 <= min_context <= max_context, got {args.min_context}, {args.max_context}")
+    if not 0 <= args.seed < 2**32:  # each rank seeds seed + 7919 x rank: far from the generator's 64-bit limit
+        raise ValueError(f"expected 0 <= seed < 2**32, got {args.seed}")
     if args.combine not in COMBINE_METHODS:
         raise ValueError(f"expected combine in {COMBINE_METHODS}, got {args.combine!r}")
     need, have = _host_bytes_needed(args), _host_bytes()
