@@ -19,6 +19,7 @@ import json
 import statistics
 
 import torch
+from _args import require_at_least, require_cuda, require_writable
 
 from twostage_mla.bench import _events_us, _MLACall, copy_bandwidth_gbs, time_many
 
@@ -31,6 +32,9 @@ def main() -> None:
     p.add_argument("--q-len", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--out", default="context_probe.json")
     a = p.parse_args()
+    require_at_least(p, a, 1, "batch", "heads", "context", "q_len")
+    require_writable(p, a.out)
+    require_cuda(p)
     dev, dt, ps, dv, d = torch.device("cuda", 0), torch.bfloat16, 64, 512, 576
     scale = 192**-0.5
     bw = copy_bandwidth_gbs()

@@ -27,6 +27,7 @@ import math
 from types import SimpleNamespace
 
 import torch
+from _args import require_at_least, require_cuda, require_writable
 
 from twostage_mla.bench import _MLACall, time_many
 from twostage_mla.kernels.merge import merge_states_triton
@@ -79,6 +80,9 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--out", default="dcp_rank_probe.json")
     args = p.parse_args()
+    require_at_least(p, args, 1, "batch", "context", "q_len", "world_size", "local_heads", "page_size")
+    require_writable(p, args.out)
+    require_cuda(p)
     dev = torch.device("cuda")
     rows = []
     print(f"{'N':>2} {'H_loc':>5} {'C':>7} {'Q':>2} | {'context':>8} {'fused':>6} {'twostage':>8} | "

@@ -20,6 +20,7 @@ import statistics
 import time
 
 import torch
+from _args import require_cuda, require_writable
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention
@@ -93,6 +94,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, eager flex (a correctness check)")
     ap.add_argument("--out", default=None, help="JSON records")
     a = ap.parse_args()
+    require_writable(ap, a.out)
+    if not a.smoke:
+        require_cuda(ap, "times flex_attention on one; --smoke runs tiny shapes on the CPU")
     if a.smoke:
         points, dev, reps = [(2, 128, 3, 2)], torch.device("cpu"), 1
     else:

@@ -7,14 +7,20 @@ Runs one tiny layer call through the flashinfer backend; FlashInfer caches
 what it compiles (~/.cache/flashinfer), so later processes only load it.
 """
 
-import sys
+import argparse
 import time
 
 import torch
+from _args import require_cuda
 
 from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention, synthetic
 
-fmt, dtype = sys.argv[1], getattr(torch, sys.argv[2])
+p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+p.add_argument("format", choices=("mla", "gqa"), help="the KV layout whose kernels to build")
+p.add_argument("dtype", choices=("bfloat16", "float16"), help="the dtype they are built for")
+args = p.parse_args()
+require_cuda(p, "builds FlashInfer's CUDA kernels")
+fmt, dtype = args.format, getattr(torch, args.dtype)
 t0 = time.time()
 if fmt == "mla":
     cfg = AttentionConfig.mla(num_heads=16, kv_lora_rank=512, rope_dim=64, page_size=64, scale=0.1)
@@ -28,4 +34,4 @@ for fuse in (False, True):  # FlashInfer's own (causal) query pass, and the fuse
     attn = TwoStageAttention(cfg, DCPLayout(), backend="flashinfer", dtype=dtype, device="cuda:0", fuse_query=fuse)
     attn(x.q, x.k, x.v, x.k_cache, x.v_cache, attn.plan(x.query_start_loc, x.seq_lens, x.block_table))
 torch.cuda.synchronize()
-print(f"jit_warm {fmt} {sys.argv[2]}: ready in {time.time() - t0:.0f} s", flush=True)
+print(f"jit_warm {fmt} {args.dtype}: ready in {time.time() - t0:.0f} s", flush=True)

@@ -44,6 +44,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _args import require_at_least, require_writable
 
 from twostage_mla import comm
 
@@ -254,13 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.world_size < 2:  # at N = 1 no byte crosses ranks: both methods cost nothing, and the ratio is 0 / 0
         p.error(f"expected --world-size >= 2 (a group to move bytes across), got {a.world_size}")
-    for name in ("heads_per_rank", "kv_lora_rank", "rope_dim", "tokens", "contexts", "iters"):
-        values = getattr(a, name)
-        bad = [v for v in (values if isinstance(values, list) else [values]) if v < 1]
-        if bad:
-            p.error(f"expected --{name.replace('_', '-')} >= 1, got {bad[0]}")
-    if a.warmup < 0:
-        p.error(f"expected --warmup >= 0, got {a.warmup}")
+    require_at_least(p, a, 1, "heads_per_rank", "kv_lora_rank", "rope_dim", "tokens", "contexts", "iters")
+    require_at_least(p, a, 0, "warmup")
+    require_writable(p, a.out)
     if a.graph and a.device != "cuda":
         p.error("--graph expected --device cuda (CUDA graphs)")
     if a.device == "cuda" and torch.cuda.device_count() < a.world_size:

@@ -15,9 +15,11 @@ import argparse
 import importlib.util
 import itertools
 import json
+import os
 from types import SimpleNamespace
 
 import torch
+from _args import require_at_least, require_cuda, require_powers_of_two, require_writable
 
 from twostage_mla.bench import time_many
 from twostage_mla.kernels.query_merge import query_merge_triton
@@ -66,6 +68,14 @@ def main() -> None:
     p.add_argument("--prev", default=None, help="a module path holding an earlier query_merge_triton to time too")
     p.add_argument("--out", default="query_merge_sweep.json")
     args = p.parse_args()
+    require_at_least(p, args, 1, "batch", "q_len", "heads", "v_stages")
+    require_at_least(p, args, 0, "states")
+    require_powers_of_two(p, args, 16, "block_h", "block_d", "block_v")
+    require_powers_of_two(p, args, 1, "warps")
+    if args.prev and not os.path.isfile(args.prev):
+        p.error(f"expected --prev to be a Python file holding query_merge_triton, got {args.prev!r}")
+    require_writable(p, args.out)
+    require_cuda(p)
     dev = torch.device("cuda")
     prev = None
     if args.prev:

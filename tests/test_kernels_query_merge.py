@@ -167,6 +167,17 @@ def test_bf16_output_and_bad_shapes():
     with pytest.raises(ValueError, match=r"max_q_len >= 37 \(the plan's longest request\), got 16"):
         query_merge_triton(x.q, x.k, v, plan, o_q[None], lse_q[None], scale=cfg.scale, out_dtype=torch.float32,
                            max_q_len=16)  # fmt: skip
+    # A launch shape the kernel cannot take: refused by name, never run as the default in its place.
+    for kw, msg in (
+        (dict(block_h=0), "block_h a power of two >= 16, got 0"),
+        (dict(block_d=24), "block_d a power of two >= 16, got 24"),
+        (dict(block_v=8), "block_v a power of two >= 16, got 8"),
+        (dict(num_warps=3), "num_warps a power of two >= 1, got 3"),
+        (dict(v_stages=0), "v_stages >= 1, got 0"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            query_merge_triton(x.q, x.k, v, plan, o_q[None], lse_q[None], scale=cfg.scale, out_dtype=torch.float32,
+                               **kw)  # fmt: skip
     # Tokens other than the plan's (out-of-bounds reads of its indices), heads not a multiple of the
     # KV heads (heads left unwritten), q and k of other head dims: refused, by shape.
     t = plan.num_tokens

@@ -247,13 +247,19 @@ def query_merge_triton(
     # streaming merge launch (20.4 vs 17.7 us with one state, 27.3 vs 28.5 with two: not worth a
     # second kernel).
     wide = g >= 64
-    block_h = block_h or (64 if wide else 16)
-    block_d = block_d or (64 if wide else 128)
     whole_v = max(16, triton.next_power_of_2(dv))
-    block_v = block_v or (min(128, whole_v) if wide else whole_v)
     chosen_stages = v_stages is not None
-    v_stages = v_stages or (3 if wide and ctx_o.shape[0] == 1 else 2)
-    num_warps = num_warps or 4
+    # `is None`, not `or`: a 0 given by a caller (a sweep) must be refused, not run as the default.
+    block_h = (64 if wide else 16) if block_h is None else block_h
+    block_d = (64 if wide else 128) if block_d is None else block_d
+    block_v = (min(128, whole_v) if wide else whole_v) if block_v is None else block_v
+    v_stages = (3 if wide and ctx_o.shape[0] == 1 else 2) if v_stages is None else v_stages
+    num_warps = 4 if num_warps is None else num_warps
+    for name, x, lo in (("block_h", block_h, 16), ("block_d", block_d, 16), ("block_v", block_v, 16),
+                        ("num_warps", num_warps, 1), ("v_stages", v_stages, 1)):  # fmt: skip
+        if isinstance(x, bool) or not isinstance(x, int) or x < lo or (name != "v_stages" and x & (x - 1)):
+            what = ">= 1" if name == "v_stages" else f"a power of two >= {lo}"
+            raise ValueError(f"expected {name} {what}, got {x!r}")
     max_q_len = plan.max_q_len if max_q_len is None else max_q_len
     if max_q_len < plan.max_q_len:  # the short variant would drop keys past the 16th
         raise ValueError(f"expected max_q_len >= {plan.max_q_len} (the plan's longest request), got {max_q_len}")
