@@ -280,3 +280,8 @@ class DCPDeepseekV3:
         keep = slots >= 0
         for cache, kv in zip(self.cache.layers, fresh):
             cache.view(-1, *kv.shape[1:])[slots[keep]] = kv[rows][keep]
+
+
+if __name__ == "__main__":  # a module, not a script: say where the runnable example is
+    raise SystemExit("examples/mla_dcp.py is the model that examples/deepseek_v3_dcp.py imports; run that one "
+                     "(python examples/deepseek_v3_dcp.py --help)")  # fmt: skip

@@ -71,9 +71,28 @@ def test_bad_options_are_refused_by_name():
         (["--page-size", "0"], r"--page-size >= 1, got 0"),
         (["--rope-dim", "-1"], r"--rope-dim >= 0, got -1"),
         (["--slow-ms", "0"], r"--slow-ms > 0, got 0.0"),
+        (["--backends", ", ,"], r"--backends 'all' or a comma list of .*got \[\]"),
     ):
         with pytest.raises(ValueError, match=match):
             bench.run_bench(p.parse_args(argv))
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_any_timing(tmp_path):
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match=r"expected --out in a folder that can be made, got '.*a_file/x.json'"):
+        bench.run_bench(p.parse_args(["--out", str(tmp_path / "a_file" / "x.json")]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_grid_past_the_gpus_memory_is_refused_before_any_timing(tmp_path):
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    argv = ["--batch", "64", "--context", "100000000K", "--out", str(tmp_path / "x.json")]
+    with pytest.raises(ValueError, match=r"largest grid point's KV cache to fit the GPU's free memory: B = 64"):
+        bench.run_bench(p.parse_args(argv))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")

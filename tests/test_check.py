@@ -18,6 +18,10 @@ def test_check_runs_reference_and_skips_with_reasons(capsys):
     assert "expected --dtype in" in capsys.readouterr().err
 
 
+def test_a_dtype_given_twice_runs_once():
+    assert run_check("cpu", ("fp32", "float32")) == run_check("cpu", ("fp32",))
+
+
 def test_check_hands_over_each_row_as_it_comes():
     seen = []
     rows = run_check("cpu", ("fp32",), on_row=seen.append)

@@ -220,9 +220,9 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     known = ("twostage", "onepass", "expand", "floor")
     if not methods or any(m not in known for m in methods):
         raise ValueError(f"expected --methods a comma list of {', '.join(known)}, got {args.methods!r}")
-    asked = None if args.backends == "all" else [n.strip() for n in args.backends.split(",")]
+    asked = None if args.backends == "all" else [n.strip() for n in args.backends.split(",") if n.strip()]
     unknown = [n for n in asked or [] if n not in backend_names()]
-    if unknown:
+    if unknown or asked == []:
         raise ValueError(f"expected --backends 'all' or a comma list of {backend_names()}, got {unknown}")
     for name, lo in (("batch", 1), ("context", 1), ("q_len", 1), ("heads", 1)):
         values = getattr(args, name)
@@ -233,6 +233,13 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
             raise ValueError(f"expected --{name.replace('_', '-')} >= {lo}, got {getattr(args, name)}")
     if not args.slow_ms > 0:
         raise ValueError(f"expected --slow-ms > 0, got {args.slow_ms}")
+    folder = os.path.dirname(os.path.abspath(args.out))
+    try:  # here, not after the first grid point's minutes
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"expected --out in a folder that can be made, got {args.out!r} ({e.strerror})") from None
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"expected --out in a folder this user can write, got {args.out!r}")
     if not torch.cuda.is_available():
         raise ValueError(
             "expected a CUDA GPU for bench (torch.cuda.is_available() is False); on a CPU, "
@@ -244,6 +251,14 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
             grid[k] = getattr(args, k)
     dt, dev, ps = torch.bfloat16, torch.device("cuda", 0), args.page_size
     dv, d = args.kv_lora_rank, args.kv_lora_rank + args.rope_dim
+    # The largest point's cache (B x pages x page x D bf16) must fit: else an out-of-memory error mid-grid.
+    most = max(grid["batch"]) * -(-(max(grid["context"]) + max(grid["q_len"])) // ps) * ps * d * 2
+    free = torch.cuda.mem_get_info(dev)[0]
+    if most > free:
+        raise ValueError(
+            f"expected the largest grid point's KV cache to fit the GPU's free memory: B = {max(grid['batch'])}, "
+            f"C = {max(grid['context'])} need {most / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+        )
     scale = _scale(args)
     meta = {**_versions(), "date": datetime.date.today().isoformat(), "page_size": ps, "dtype": "bfloat16",
             "head_dim": d, "head_dim_v": dv, "graph": not args.no_graph}

@@ -47,7 +47,7 @@ def run_check(
     for d in dtypes:
         if d not in DTYPES:
             raise ValueError(f"expected --dtype in {sorted(DTYPES)}, got {d!r}")
-    names = [DTYPES[d] for d in dtypes] or (
+    names = list(dict.fromkeys(DTYPES[d] for d in dtypes)) or (  # a dtype given twice runs once
         [torch.bfloat16, torch.float16] if dev.type == "cuda" else [torch.float32, torch.bfloat16]
     )
     ctx, ql = [0, 5, 700, 1500], [3, 1, 8, 4]  # an empty context, short, longer; q_len 1..8
