@@ -39,6 +39,9 @@ def test_table_and_targets():
     recs = _records()
     table = bench.format_table(recs)
     assert "onepass" in table and "flashinfer" in table and len(table.splitlines()) == 2 + 4
+    # methods not run (--methods twostage) read "-", never NaN
+    only = [r for r in recs if r["method"] in ("copy", "twostage")]
+    assert "nan" not in bench.format_table(only) and " - " in bench.format_table(only).splitlines()[2]
     report = bench.check_targets(recs)
     assert "twostage/onepass B=32 Q=4 H=16 C=8192: 0.960 (<= 1.00) PASS" in report
     assert "expand/twostage B=32 Q=4 H=16 C=32768" in report

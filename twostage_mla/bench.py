@@ -430,9 +430,15 @@ def _index(records: list[dict]) -> dict:
     return out
 
 
+def _cell(v: float | None, width: int, spec: str = ".1f") -> str:
+    """A table cell; "-" where the method was not run (not NaN, which would read as a failure)."""
+    return f"{'-':>{width}}" if v is None else f"{v:>{width}{spec}}"
+
+
 def format_table(records: list[dict]) -> str:
     """One row per point: times in us; twostage per backend with its context pass and overhead."""
     idx = _index(records)
+    fi = "flashinfer"
     names = sorted({r["backend"] for r in records if r["method"] == "twostage"})
     head = f"{'B':>3} {'C':>7} {'Q':>2} {'H':>4} | {'floor':>8} {'onepass':>8} {'expand':>9}"
     for n in names:
@@ -441,15 +447,16 @@ def format_table(records: list[dict]) -> str:
     for b, c, q, h in sorted({(r["B"], r["C"], r["Q"], r["heads"]) for r in records if r["method"] != "copy"}):
         def t(m, be=None, key=(b, c, q, h)):
             r = idx.get((m, be, *key))
-            return r["time_us"] if r else float("nan")
+            return r["time_us"] if r else None
 
         one = t("onepass", "flashinfer")
-        row = f"{b:>3} {c:>7} {q:>2} {h:>4} | {t('floor'):>8.1f} {one:>8.1f} {t('expand', 'flashinfer'):>9.1f}"
+        row = f"{b:>3} {c:>7} {q:>2} {h:>4} | {_cell(t('floor'), 8)} {_cell(one, 8)} {_cell(t('expand', fi), 9)}"
         for n in names:
             r = idx.get(("twostage", n, b, c, q, h))
             if r:
-                row += f" | {r['time_us']:>15.1f} {r['context_us']:>8.1f} {r['overhead_us']:>6.1f} " \
-                       f"{r['time_us'] / one:>6.3f}"
+                ratio = None if one is None else r["time_us"] / one
+                row += f" | {r['time_us']:>15.1f} {r['context_us']:>8.1f} {r['overhead_us']:>6.1f} "
+                row += _cell(ratio, 6, ".3f")
             else:
                 row += f" | {'-':>15} {'-':>8} {'-':>6} {'-':>6}"
         lines.append(row)
