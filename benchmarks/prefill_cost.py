@@ -44,7 +44,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _args import require_at_least, require_writable
+from _args import require_at_least
 
 from twostage_mla import comm
 
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     p.add_argument("--heads-per-rank", type=int, nargs="+", default=[16, 64],
                    help="H_loc; DeepSeek-V3's 128 heads over TP 8 -> 16, over TP 2 -> 64")
     p.add_argument("--kv-lora-rank", type=int, default=512)
@@ -255,9 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.world_size < 2:  # at N = 1 no byte crosses ranks: both methods cost nothing, and the ratio is 0 / 0
         p.error(f"expected --world-size >= 2 (a group to move bytes across), got {a.world_size}")
-    require_at_least(p, a, 1, "heads_per_rank", "kv_lora_rank", "rope_dim", "tokens", "contexts", "iters")
-    require_at_least(p, a, 0, "warmup")
-    require_writable(p, a.out)
+    require_at_least(p, a, 1, "heads_per_rank", "kv_lora_rank", "tokens", "contexts", "iters")
+    require_at_least(p, a, 0, "rope_dim", "warmup")
+    if not a.max_gib > 0:
+        p.error(f"expected --max-gib > 0, got {a.max_gib}")
     if a.graph and a.device != "cuda":
         p.error("--graph expected --device cuda (CUDA graphs)")
     if a.device == "cuda" and torch.cuda.device_count() < a.world_size:

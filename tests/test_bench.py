@@ -74,7 +74,7 @@ def test_bad_options_are_refused_by_name():
         (["--page-size", "0"], r"--page-size >= 1, got 0"),
         (["--rope-dim", "-1"], r"--rope-dim >= 0, got -1"),
         (["--slow-ms", "0"], r"--slow-ms > 0, got 0.0"),
-        (["--backends", ", ,"], r"--backends 'all' or a comma list of .*got \[\]"),
+        (["--backends", ", ,"], r"--backends 'all' or a comma list of .*got ', ,'"),
     ):
         with pytest.raises(ValueError, match=match):
             bench.run_bench(p.parse_args(argv))
@@ -84,7 +84,8 @@ def test_an_out_that_cannot_be_written_is_refused_before_any_timing(tmp_path):
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
     (tmp_path / "a_file").write_text("")
-    with pytest.raises(ValueError, match=r"expected --out in a folder that can be made, got '.*a_file/x.json'"):
+    msg = r"expected --out in a folder this user can make or write, got '.*a_file/x.json' \(.*a_file is not"
+    with pytest.raises(ValueError, match=msg):
         bench.run_bench(p.parse_args(["--out", str(tmp_path / "a_file" / "x.json")]))
 
 

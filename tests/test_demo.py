@@ -61,9 +61,9 @@ def test_demo_refuses_bad_options_before_starting_processes():
         (dict(backend="nope"), "backend to be 'auto' or one of"),
         (dict(min_context=10, max_context=5), "min_context <= max_context"),
         (dict(heads=0), "heads >= 1, got 0"),
-        (dict(max_context=10**9), r"expected world_size x batch x max_context to fit .* about \d+ GiB"),
+        (dict(max_context=10**9), r"world_size x batch x max_context \(in pages of page_size\) to fit .* \d+ GiB"),
         # a short context in huge pages: the shard's whole pages, not the context, fill the memory
-        (dict(page_size=2**40, min_context=0, max_context=64), r"expected world_size x batch x max_context to fit"),
+        (dict(page_size=2**40, min_context=0, max_context=64), r"memory.* page_size 1099511627776\)"),
         (dict(seed=2**64 - 1), r"expected 0 <= seed < 2\*\*32, got 18446744073709551615"),
         (dict(seed=-1), r"expected 0 <= seed < 2\*\*32, got -1"),
         (dict(dtype="fp64"), r"expected dtype auto, float32, bfloat16, float16 \(or fp32, bf16, fp16\), got 'fp64'"),

@@ -40,7 +40,7 @@ def test_crossover_is_1_89_heads():
 
 
 def test_benchmark_runs_on_gloo(tmp_path):
-    out = tmp_path / "res.json"
+    out = tmp_path / "new_folder" / "res.json"  # made by the script
     argv = "--device cpu --tokens 4 --contexts 512 8192 --heads-per-rank 2 --kv-lora-rank 32 --rope-dim 16"
     argv = argv.split() + ["--iters", "2", "--warmup", "1", "--out", str(out)]
     assert pc.main(argv) == 0
@@ -60,6 +60,9 @@ def test_benchmark_runs_on_gloo(tmp_path):
         ("--heads-per-rank -2", "expected --heads-per-rank >= 1, got -2"),
         ("--iters 0", "expected --iters >= 1, got 0"),
         ("--warmup -1", "expected --warmup >= 0, got -1"),
+        ("--rope-dim -1", "expected --rope-dim >= 0, got -1"),
+        ("--max-gib 0", "expected --max-gib > 0, got 0.0"),
+        ("--dtype bf16", "argument --dtype: invalid choice: 'bf16'"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(argv, message, capsys):

@@ -223,7 +223,8 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     asked = None if args.backends == "all" else [n.strip() for n in args.backends.split(",") if n.strip()]
     unknown = [n for n in asked or [] if n not in backend_names()]
     if unknown or asked == []:
-        raise ValueError(f"expected --backends 'all' or a comma list of {backend_names()}, got {unknown}")
+        got = unknown or repr(args.backends)
+        raise ValueError(f"expected --backends 'all' or a comma list of {backend_names()}, got {got}")
     for name, lo in (("batch", 1), ("context", 1), ("q_len", 1), ("heads", 1)):
         values = getattr(args, name)
         if values is not None and (not values or min(values) < lo):
@@ -233,13 +234,13 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
             raise ValueError(f"expected --{name.replace('_', '-')} >= {lo}, got {getattr(args, name)}")
     if not args.slow_ms > 0:
         raise ValueError(f"expected --slow-ms > 0, got {args.slow_ms}")
-    folder = os.path.dirname(os.path.abspath(args.out))
-    try:  # here, not after the first grid point's minutes
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"expected --out in a folder that can be made, got {args.out!r} ({e.strerror})") from None
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"expected --out in a folder this user can write, got {args.out!r}")
+    # Checked here, not after the first grid point's minutes; made only once there are records (_dump).
+    probe = os.path.dirname(os.path.abspath(args.out))
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+        raise ValueError(f"expected --out in a folder this user can make or write, got {args.out!r} "
+                         f"({probe} is not a writable folder)")  # fmt: skip
     if not torch.cuda.is_available():
         raise ValueError(
             "expected a CUDA GPU for bench (torch.cuda.is_available() is False); on a CPU, "

@@ -261,9 +261,10 @@ def run_demo(args: DemoArgs) -> dict:
     need, have = _host_bytes_needed(args), _host_bytes()
     if need > have:
         raise ValueError(
-            f"expected world_size x batch x max_context to fit this machine's memory: the workers' synthetic K/V "
-            f"and float64 oracle need about {need / 2**30:.0f} GiB, {have / 2**30:.0f} GiB here (got world_size "
-            f"{args.world_size}, batch {args.batch}, max_context {args.max_context})"
+            f"expected world_size x batch x max_context (in pages of page_size) to fit this machine's memory: the "
+            f"workers' synthetic K/V and float64 oracle need about {need / 2**30:.0f} GiB, {have / 2**30:.0f} GiB "
+            f"here (got world_size {args.world_size}, batch {args.batch}, max_context {args.max_context}, "
+            f"page_size {args.page_size})"
         )
     device = resolve_device(args.world_size, args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
