@@ -450,7 +450,7 @@ def format_table(records: list[dict]) -> str:
             r = idx.get((m, be, *key))
             return r["time_us"] if r else None
 
-        one = t("onepass", "flashinfer")
+        one = t("onepass", fi)
         row = f"{b:>3} {c:>7} {q:>2} {h:>4} | {_cell(t('floor'), 8)} {_cell(one, 8)} {_cell(t('expand', fi), 9)}"
         for n in names:
             r = idx.get(("twostage", n, b, c, q, h))

@@ -182,6 +182,17 @@ def _query_merge_kernel(
     tl.store(OUT_LSE + t * sol_t + h * sol_h, m + tl.log(den), mask=hmask)
 
 
+def _check_launch_shape(block_h, block_d, block_v, num_warps, v_stages) -> None:
+    """Raise unless each value given (not None) is a power of two >= 16 (blocks), >= 1 (warps), or >= 1 (stages)."""
+    for name, x, lo in (("block_h", block_h, 16), ("block_d", block_d, 16), ("block_v", block_v, 16),
+                        ("num_warps", num_warps, 1), ("v_stages", v_stages, 1)):  # fmt: skip
+        if x is None:
+            continue
+        if isinstance(x, bool) or not isinstance(x, int) or x < lo or (name != "v_stages" and x & (x - 1)):
+            what = ">= 1" if name == "v_stages" else f"a power of two >= {lo}"
+            raise ValueError(f"expected {name} {what}, got {x!r}")
+
+
 def query_merge_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -249,17 +260,15 @@ def query_merge_triton(
     wide = g >= 64
     whole_v = max(16, triton.next_power_of_2(dv))
     chosen_stages = v_stages is not None
-    # `is None`, not `or`: a 0 given by a caller (a sweep) must be refused, not run as the default.
+    chosen = (block_h, block_d, block_v, num_warps, v_stages)
+    if chosen != (None,) * 5:  # a caller's launch shape (a sweep); the defaults below are valid, so the layer's
+        _check_launch_shape(*chosen)  # per-call path skips the check (~1 us of host time a layer)
+    # `is None`, not `or`: a 0 given by a caller must be refused above, not run as the default.
     block_h = (64 if wide else 16) if block_h is None else block_h
     block_d = (64 if wide else 128) if block_d is None else block_d
     block_v = (min(128, whole_v) if wide else whole_v) if block_v is None else block_v
     v_stages = (3 if wide and ctx_o.shape[0] == 1 else 2) if v_stages is None else v_stages
     num_warps = 4 if num_warps is None else num_warps
-    for name, x, lo in (("block_h", block_h, 16), ("block_d", block_d, 16), ("block_v", block_v, 16),
-                        ("num_warps", num_warps, 1), ("v_stages", v_stages, 1)):  # fmt: skip
-        if isinstance(x, bool) or not isinstance(x, int) or x < lo or (name != "v_stages" and x & (x - 1)):
-            what = ">= 1" if name == "v_stages" else f"a power of two >= {lo}"
-            raise ValueError(f"expected {name} {what}, got {x!r}")
     max_q_len = plan.max_q_len if max_q_len is None else max_q_len
     if max_q_len < plan.max_q_len:  # the short variant would drop keys past the 16th
         raise ValueError(f"expected max_q_len >= {plan.max_q_len} (the plan's longest request), got {max_q_len}")
