@@ -502,7 +502,10 @@ def run_on_ranks(world: int, cases: list[dict], *, model: dict | None = None, st
     model = dict(model or {})
     cuda = model.get("device", "cpu") == "cuda"
     if start_method is None:
-        start_method = "fork" if "fork" in mp.get_all_start_methods() and not cuda else "spawn"
+        # A process that has started CUDA runs its driver threads, and forking
+        # a multi-threaded process may deadlock the child (Python warns).
+        can_fork = "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
+        start_method = "fork" if can_fork and not cuda else "spawn"
     with tempfile.TemporaryDirectory() as out_dir:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

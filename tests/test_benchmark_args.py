@@ -12,7 +12,6 @@ import pytest
 import torch
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-sys.path.insert(0, BENCH)
 
 NO_CUDA = "expected a CUDA GPU (this script times kernels on one), found none"
 CASES = [

@@ -13,7 +13,6 @@ match the float64 oracle; the shards must hold transformers' latent cache.
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 import pytest
@@ -21,7 +20,6 @@ import torch
 
 pytest.importorskip("transformers", minversion="5.17")  # 5.0 keeps expanded K/V, not latents; 5.17 and 5.24 ran
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import deepseek_v3_dcp as ex  # noqa: E402
 import mla_dcp  # noqa: E402
 

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 
+import prefill_cost as pc
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import prefill_cost as pc  # noqa: E402
 
 D, DV, E = 576, 512, 2  # DeepSeek-V3 latent widths, bf16
 
