@@ -235,6 +235,22 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
     return messages
 
 
+def _build_on_another_group(rank: int, world: int) -> str | None:
+    if rank:  # never joins rank 0's group in an agreement: rank 0 must not wait for it
+        return None
+    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    try:
+        TwoStageAttention(cfg, DCPLayout(world + 1, 0), group=dist.group.WORLD, dtype=torch.float32)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_rank_given_another_group_raises_alone():
+    message = run_ranks(2, _build_on_another_group)[0]
+    assert "expected group of size 3 with this process at rank 0 (the layout), got size 2" in message
+
+
 @pytest.mark.parametrize("world", [2])
 def test_bad_input_raises_before_any_collective(world):
     for messages in run_ranks(world, _bad_inputs):

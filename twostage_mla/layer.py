@@ -208,8 +208,11 @@ class TwoStageAttention:
         # With a group of more than one rank, the ranks agree on the layer here (one small
         # all-reduce, once per layer): where one rank refuses its setup every rank raises, rather
         # than wait in a later collective for it, and layers that differ across ranks (a combine
-        # that would hang, a scale that would be wrong) are refused on every rank.
-        agreeing = group is not None and dist.get_world_size(group) > 1
+        # that would hang, a scale that would be wrong) are refused on every rank. Only the DCP group
+        # can say so: another group's ranks are not building this layer, so a rank given a group of
+        # another size raises alone (its setup refuses the size) instead of waiting in theirs.
+        size = dist.get_world_size(group) if group is not None else 1
+        agreeing = size > 1 and (not isinstance(layout, DCPLayout) or size == layout.world_size)
         try:
             self._setup(config, layout, group, combine, backend, dtype, device, fuse_query,
                         CaptureLimits(max_batch_size, max_tokens, max_pages, max_q_len))  # fmt: skip

@@ -37,7 +37,8 @@ class StepPlan:
     step this rank stores, T_r <= T):
         query_start_loc (B+1,) int32; seq_lens, q_lens, context_lens,
         local_context_lens (B,) int32; block_table (B, W) int32, this rank's
-        pages, -1 past what it uses; token_request, token_offset (T,) int64;
+        pages (the caller's table as given: entries past what a request uses
+        are never read); token_request, token_offset (T,) int64;
         write_rows, write_slots (T_r,) int64; query_mask (B, max_q_len,
         max_q_len) bool or None (causal); num_tokens, batch_size, max_q_len,
         max_context_len, max_local_context_len, page_size, max_page_id: int.
