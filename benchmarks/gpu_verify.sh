@@ -168,10 +168,10 @@ elif [ "$part" = suite ]; then
   check_start 400
   jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
   jit_wait
-  stamp "the CPU suite with CUDA present (log: suite.log)"
-  timeout 370 python3 -m pytest -q -rs -p no:cacheprovider -m "not gpu" tests --timeout 200 > "$OUT/suite.log" 2>&1
-  echo "rc=$?"; grep -v "^SKIPPED" "$OUT/suite.log" | grep -v "^  \|^$" | tail -20
-  grep "^SKIPPED" "$OUT/suite.log" | cut -c1-160 | sort | uniq -c | sort -rn | head -12
+  stamp "the CPU suite with CUDA present (log: suite_pytest.log)"
+  timeout 370 python3 -m pytest -q -rs -p no:cacheprovider -m "not gpu" tests --timeout 200 > "$OUT/suite_pytest.log" 2>&1
+  echo "rc=$?"; grep -v "^SKIPPED" "$OUT/suite_pytest.log" | grep -v "^  \|^$" | tail -20
+  grep "^SKIPPED" "$OUT/suite_pytest.log" | cut -c1-160 | sort | uniq -c | sort -rn | head -12
   check_report
   stamp "the README's demo on the GPU (N = 1 over NCCL)"
   timeout 90 python3 -m twostage_mla demo --world-size 1 --device cuda 2>&1 | grep -v "USDT\|warn\|func(" | tail -8
