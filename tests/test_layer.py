@@ -332,6 +332,8 @@ def test_config_errors():
             AttentionConfig.mla(**{**dict(num_heads=4, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.1), **kw})
     with pytest.raises(ValueError, match="expected group to be a torch.distributed ProcessGroup or None, got 0"):
         TwoStageAttention(AttentionConfig(4, 16, 16, 4, 0.1), DCPLayout(), group=0)
+    with pytest.raises(ValueError, match=r"got GroupMember.NON_GROUP_MEMBER \(this process is not in that group\)"):
+        TwoStageAttention(AttentionConfig(4, 16, 16, 4, 0.1), DCPLayout(), group=dist.GroupMember.NON_GROUP_MEMBER)
     for bad in (0.0, float("inf"), float("nan"), torch.tensor(0.1), True):
         with pytest.raises(ValueError, match="scale to be a finite real number > 0"):
             AttentionConfig(4, 16, 16, 4, bad)

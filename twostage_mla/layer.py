@@ -202,7 +202,10 @@ class TwoStageAttention:
         fuse_query: bool | None = None,
     ) -> None:
         if group is not None and not isinstance(group, dist.ProcessGroup):  # nothing to agree through
-            raise ValueError(f"expected group to be a torch.distributed ProcessGroup or None, got {group!r}")
+            got = repr(group)
+            if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() hands a process outside it
+                got = "GroupMember.NON_GROUP_MEMBER (this process is not in that group)"
+            raise ValueError(f"expected group to be a torch.distributed ProcessGroup or None, got {got}")
         if isinstance(layout, DCPLayout) and layout.world_size > 1 and group is None:
             raise ValueError(f"expected a process group of size {layout.world_size}, got group=None")
         # With a group of more than one rank, the ranks agree on the layer here (one small
