@@ -82,8 +82,8 @@ def _cases(name: str) -> list[tuple[bool, int, bool]]:
 def test_layer_matches_oracle(emulated, name, mla, page_size, tree):
     cfg = _config(mla, page_size)
     step = synthetic.make_step(
-        [0, 5, 37, 100, 1],
-        [3, 1, 4, 2, 5],
+        [0, 5, 37, 100, 1, 2 * page_size],  # the last: a full last page (FlashInfer's last_page_len = page_size)
+        [3, 1, 4, 2, 5, 2],
         heads=cfg.num_heads,
         head_dim=cfg.head_dim,
         head_dim_v=cfg.head_dim_v,

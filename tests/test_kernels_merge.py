@@ -100,6 +100,21 @@ def test_no_overflow_near_the_dtype_max():
     assert torch.isfinite(got).all() and torch.equal(got.cpu(), merge_states(o.cpu(), lse.cpu())[0])
 
 
+def test_extra_state_far_above_the_others():
+    # The extra state's lse 150 above the K states' (past float32's exp range): the shift is the max
+    # over all K + 1 states, the extra one included. Token 0: every K state empty, the extra not.
+    o, lse = states(3, 5, 2, 16, torch.float32)
+    eo, el = states(1, 5, 2, 16, torch.float32)
+    el = el[0] + 150.0
+    el[0] = 1.0 + 150.0
+    lses = torch.cat([lse, el[None]]).double().cpu()
+    w = torch.softmax(lses, dim=0)[..., None]
+    ref_o = (w * torch.cat([o, eo]).double().cpu().nan_to_num()).sum(0)
+    got_o, got_lse = merge_states_triton(o, lse, extra=(eo[0], el), out_dtype=torch.float32)
+    torch.testing.assert_close(got_o.cpu().double(), ref_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_lse.cpu().double(), torch.logsumexp(lses, dim=0), rtol=1e-6, atol=1e-4)
+
+
 def test_nan_state_is_not_taken_for_empty():
     # As merge_states: lse = -inf is empty (its o, even NaN, is left out); a NaN lse reaches the output.
     o, lse = torch.randn(3, 4, 2, 16, device=DEVICE), torch.randn(3, 4, 2, device=DEVICE)

@@ -64,6 +64,23 @@ def test_matches_query_pass_plus_merge(fmt, tree, lens):
     torch.testing.assert_close(got_lse, lse_q, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("lens", ["short", "long"])
+def test_context_far_from_the_fresh_scores(lens):
+    # Context states 120 above (even tokens) or below (odd) the fresh keys' scores, past float32's exp
+    # range: the running max must keep the context's max when later scores are lower, and move up to
+    # the scores' when the context is far below, in both kernel variants.
+    cfg, x, attn, plan, v = setup("mla", False, torch.float32, lens)
+    o_q, lse_q = attn.backend.query(x.q, x.k, v, plan)
+    g = torch.Generator().manual_seed(4)
+    far = 120.0 * (1 - 2 * (torch.arange(lse_q.shape[0]) % 2))[:, None]
+    ctx_o = torch.randn(1, *o_q.shape, generator=g).to(DEVICE)
+    ctx_lse = (torch.randn(1, *lse_q.shape, generator=g) + far).to(DEVICE)
+    ref_o, ref_lse = merge_states(ctx_o.double(), ctx_lse.double(), extra=(o_q.double(), lse_q.double()))
+    got_o, got_lse = query_merge_triton(x.q, x.k, v, plan, ctx_o, ctx_lse, scale=cfg.scale, out_dtype=torch.float32)
+    torch.testing.assert_close(got_o.double(), ref_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_lse.double(), ref_lse.double(), rtol=1e-6, atol=1e-4)
+
+
 @pytest.mark.parametrize("fmt", ["mla_many_heads", "gqa_wide_v"])
 def test_launch_shape(fmt):
     # A launch shape other than the default: 32 heads per program (mla_many_heads: its 20 heads in one

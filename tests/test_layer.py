@@ -28,6 +28,8 @@ def cases(world: int) -> list[dict]:
             ctx = [0, rng.randrange(1, span + 1), span, rng.randrange(span, 6 * span + 40)]
             ql = [rng.randint(1, 16) for _ in ctx]
             ql[rng.randrange(len(ql))] = 16
+            if len(out) % 5 == 1:  # a plain decode step: q_len 1 everywhere (each token still sees itself)
+                ql = [1] * len(ctx)
             out.append(
                 dict(
                     il=il,
@@ -39,6 +41,7 @@ def cases(world: int) -> list[dict]:
                     dtype=(torch.float32, torch.bfloat16)[(n + len(out)) % 2],
                     tree=len(out) % 3 == 0,
                     seed=len(out),
+                    scale=rng.uniform(0.3, 1.5),  # times d**-0.5: not the default a backend might assume
                 )
             )
     return out
@@ -50,7 +53,7 @@ def _grid(rank: int, world: int, grid: list[dict]) -> list[tuple[dict, float]]:
         mla = c["fmt"] == "mla"
         # MLA: 1 or 2 heads per rank, D = 16 + 8; GQA: 4 heads per rank over 2 KV heads, D=16, Dv=8
         h, hk, d, dv = (1 + c["seed"] % 2, 1, 24, 16) if mla else (4, 2, 16, 8)
-        cfg = AttentionConfig(h, d, dv, c["ps"], d**-0.5, hk, c["fmt"])
+        cfg = AttentionConfig(h, d, dv, c["ps"], c["scale"] * d**-0.5, hk, c["fmt"])
         layout = DCPLayout(world, rank, c["il"])
         step = synthetic.make_step(
             c["ctx"],

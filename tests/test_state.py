@@ -102,6 +102,27 @@ def test_dtype_and_device_errors_name_arguments():
         merge_states(torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4), extra=o)
 
 
+def test_states_far_apart_merge_by_their_largest_lse():
+    # lse 150 apart, past float32's exp range (~88), the larger in any position: the merge must shift
+    # by the largest lse, not by the first state's (exp(150) is inf in float32).
+    g = torch.Generator().manual_seed(7)
+    s = torch.randn(5, 3, 12, generator=g, dtype=torch.float64)
+    s[..., 4:8] += 150.0
+    v = torch.randn(12, 7, generator=g, dtype=torch.float64)
+    o, lse = state(s, v)
+    parts = [state(s[..., i : i + 4], v[i : i + 4]) for i in (0, 4, 8)]
+    for a, b in ((parts[0], parts[1]), (parts[1], parts[0])):
+        om, lm = merge_state(a[0].float(), a[1].float(), b[0].float(), b[1].float())
+        two = state(s[..., :8], v[:8])
+        torch.testing.assert_close(om.double(), two[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lm.double(), two[1], rtol=1e-6, atol=1e-4)
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+        om, lm = merge_states(torch.stack([parts[i][0] for i in order]).float(),
+                              torch.stack([parts[i][1] for i in order]).float())  # fmt: skip
+        torch.testing.assert_close(om.double(), o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lm.double(), lse, rtol=1e-6, atol=1e-4)
+
+
 @pytest.mark.parametrize("big", [1e2, 1e4, 1e5])
 def test_merge_is_exact_at_large_lse(big):
     # The weights must be normalised: exp(lse_k - logsumexp) alone carries logsumexp's rounding
