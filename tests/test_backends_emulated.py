@@ -18,7 +18,7 @@ from tests import _emulated_kernels as emu
 from tests._views import strided_last, strided_pages
 from tests.dist_helpers import run_ranks
 from twostage_mla import synthetic
-from twostage_mla.backends import base, select_backend, torch_efficient, torch_flash
+from twostage_mla.backends import backend_names, base, refusals, select_backend, torch_efficient, torch_flash
 from twostage_mla.backends import flashinfer as fi_backend
 from twostage_mla.backends.base import AttentionSpec, CaptureLimits
 from twostage_mla.backends.flash_attn import FlashAttn2Backend, FlashAttn3Backend
@@ -27,7 +27,7 @@ from twostage_mla.backends.reference import ReferenceBackend
 from twostage_mla.backends.torch_efficient import TorchEfficientBackend
 from twostage_mla.backends.torch_flash import TorchFlashBackend
 from twostage_mla.layer import AttentionConfig, TwoStageAttention
-from twostage_mla.layout import DCPLayout
+from twostage_mla.layout import DCPLayout, local_pages
 from twostage_mla.plan import plan_step
 
 FAST = {
@@ -455,3 +455,110 @@ def test_reference_pads_each_request_at_most_to_twice_its_lengths():
                 seen.append(b)
                 assert g.tokens.shape[1] < 2 * ql[b] and (not with_context or g.slots.shape[1] < 2 * ctx[b])
         assert sorted(seen) == [b for b in range(6) if not with_context or ctx[b]]
+
+
+def test_a_request_of_exactly_max_q_len_tokens_is_served(emulated):
+    cfg = _config(True, 16)
+    attn = _layer("flashinfer", cfg, DCPLayout(), CaptureLimits(2, 8, 8, max_q_len=4))
+    step = synthetic.make_step([10, 30], [4, 2], heads=4, head_dim=80, head_dim_v=64, seed=2)
+    x = synthetic.rank_inputs(step, DCPLayout(), 16, mla=True, dtype=torch.float32, device="cpu")
+    out = attn(x.q, x.k, None, x.k_cache, None, attn.plan(x.query_start_loc, x.seq_lens, x.block_table))
+    assert torch.allclose(out.double(), synthetic.oracle(step, cfg.scale)[0], atol=1e-5)
+
+
+def test_refusals_take_the_capture_limits():
+    spec = AttentionSpec("mla", 2, 1, 24, 16, 4, 1, 0.2, torch.float32, torch.device("cpu"))
+    assert refusals(spec)["reference"] == []
+    why = refusals(spec, CaptureLimits(2, 8, 8))["reference"]
+    assert any("keeps no metadata in fixed buffers" in w for w in why), why
+
+
+def test_auto_tries_the_reference_last():
+    names = backend_names()
+    assert names[-1] == "reference" and names.index("torch_flash") < names.index("torch_efficient"), names
+
+
+def test_the_minimum_compute_capability_itself_is_served(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    spec = AttentionSpec("gqa", 8, 2, 128, 128, 256, 1, 0.1, torch.bfloat16, torch.device("cuda", 0))
+    for cc, refused in (((7, 5), True), ((8, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cc=cc: cc)
+        why = " ".join(TorchFlashBackend.environment_problems(spec))
+        assert ("needs compute capability >= (8, 0)" in why) == refused, (cc, why)
+
+
+def test_the_minimum_release_itself_is_served(monkeypatch):
+    import importlib.metadata
+    import importlib.util
+
+    spec = AttentionSpec("gqa", 8, 2, 128, 128, 256, 1, 0.1, torch.bfloat16, torch.device("cpu"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "0.5.3")
+    base._installed_version.cache_clear()
+    try:
+        assert FlashInferBackend.environment_problems(spec) == []
+    finally:
+        base._installed_version.cache_clear()
+
+
+def test_fa2_refuses_a_page_size_that_is_no_multiple_of_256():
+    for page, refused in ((384, True), (512, False)):
+        spec = AttentionSpec("gqa", 8, 2, 128, 128, page, 1, 0.1, torch.bfloat16, torch.device("cuda", 0))
+        why = " ".join(FlashAttn2Backend.not_supported_reasons(spec))
+        assert (f"page_size {page} not a multiple of 256" in why) == refused, why
+
+
+def test_flashinfer_counts_rank_0s_pages_against_max_pages_on_every_rank(emulated):
+    # N = 2, I = 4, page 4, C = 12: rank 0 keeps positions 0-3 and 8-11 (2 pages), rank 1 keeps 4-7 (1 page).
+    # Both ranks refuse the step, so neither goes on into a collective alone.
+    cfg = _config(True, 4)
+    assert [local_pages(12, 2, 4, r, 4) for r in (0, 1)] == [2, 1]
+    for rank in (0, 1):
+        plan = plan_step(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([13], dtype=torch.int32),
+                         torch.zeros(1, 4, dtype=torch.int32), page_size=4, layout=DCPLayout(2, rank, 4))  # fmt: skip
+        spec = AttentionSpec("mla", cfg.num_heads, 1, cfg.head_dim, cfg.head_dim_v, 4, 2, cfg.scale, torch.float32,
+                             torch.device("cpu"))  # fmt: skip
+        with pytest.raises(ValueError, match=r"within max_pages = 1 \(the layer's capture limits\), got 2"):
+            FlashInferBackend(spec, CaptureLimits(4, 8, 1)).plan(plan)
+
+
+def test_invalidate_plans_reaches_the_capture_mode_wrappers(emulated):
+    cfg = _config(True, 16)
+    step = synthetic.make_step([10, 30], [2, 2], heads=4, head_dim=80, head_dim_v=64, seed=1)
+    x = synthetic.rank_inputs(step, DCPLayout(), 16, mla=True, dtype=torch.float32, device="cpu")
+    attn = _layer("flashinfer", cfg, DCPLayout(), CaptureLimits(4, 8, 8))
+    plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    attn.backend.invalidate_plans()  # what plan() does on every rank after a step the group refused
+    with pytest.raises(ValueError, match="latest plan"):
+        attn(x.q, x.k, None, x.k_cache, None, plan)
+
+
+@pytest.mark.parametrize("mla", [True, False])
+def test_capture_mode_empty_rows_are_refilled_each_step(emulated, mla):
+    # Step 1 has a request with no context (its rows masked to the empty state); step 2, same B and T,
+    # has none: the fixed buffer must not keep step 1's rows.
+    cfg = _config(mla, 16)
+    attn = _layer("flashinfer", cfg, DCPLayout(), CaptureLimits(2, 8, 8))
+    for ctx in ([0, 20], [10, 20]):
+        step = synthetic.make_step(ctx, [2, 3], heads=4, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
+                                   kv_heads=cfg.num_kv_heads, mla=mla, seed=sum(ctx))  # fmt: skip
+        x = synthetic.rank_inputs(step, DCPLayout(), 16, mla=mla, dtype=torch.float32, device="cpu")
+        out = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, attn.plan(x.query_start_loc, x.seq_lens, x.block_table))
+        assert torch.allclose(out.double(), synthetic.oracle(step, cfg.scale)[0], atol=1e-5), ctx
+
+
+def test_flashinfer_plans_no_query_kernel_when_the_query_pass_is_fused(emulated):
+    cfg = _config(True, 16)
+    step = synthetic.make_step([10, 30], [2, 2], heads=4, head_dim=80, head_dim_v=64, seed=1)
+    x = synthetic.rank_inputs(step, DCPLayout(), 16, mla=True, dtype=torch.float32, device="cpu")
+    attn = _layer("flashinfer", cfg, DCPLayout())
+    attn.backend.query_pass = False  # what the layer sets with fuse_query
+    plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    assert plan.backend_state.wrappers.ctx._planned and not plan.backend_state.wrappers.qry._planned
+
+
+def test_torch_flash_reads_pages_in_place_only_for_fa2_page_sizes(monkeypatch):
+    monkeypatch.setattr(torch_flash, "_op_takes", lambda arg: True)  # a torch whose op takes block_table
+    for page, paged in ((16, False), (256, True)):
+        spec = AttentionSpec("gqa", 4, 2, 32, 32, page, 1, 0.17, torch.float16, torch.device("cpu"))
+        assert TorchFlashBackend(spec)._paged_ok == paged, page

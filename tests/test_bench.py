@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 import torch
@@ -45,6 +46,11 @@ def test_table_and_targets():
     report = bench.check_targets(recs)
     assert "twostage/onepass B=32 Q=4 H=16 C=8192: 0.960 (<= 1.00) PASS" in report
     assert "expand/twostage B=32 Q=4 H=16 C=32768" in report
+    # the ratios the right way round, each context length against its own limit
+    assert "twostage/onepass B=32 Q=4 H=16 C=32768: 0.960 (<= 1.03) PASS" in report
+    assert re.search(r"expand/twostage B=32 Q=4 H=16 C=8192: 3\.1\dx \(>= 2x\) PASS", report), report
+    row = next(r for r in table.splitlines() if r.split()[:4] == ["32", "8192", "4", "16"])
+    assert row.rstrip().endswith("0.960"), row
     assert "overhead B=32 Q=4 H=16 C=8192: 8.0 us = query pass fused in the merge; that kernel alone: 6.5 us" in report
 
 

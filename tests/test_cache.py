@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from twostage_mla import DCPLayout, build_shard
-from twostage_mla.layout import local_index, owner
+from twostage_mla.layout import local_index, local_pages, owner
 
 
 @pytest.mark.parametrize("n,il,page", [(1, 1, 4), (2, 1, 1), (3, 2, 4), (4, 4, 16)])
@@ -49,3 +49,11 @@ def test_bad_arguments_are_named(change, match):
     args = dict(kv=torch.randn(8, 1, 6), seq_lens=torch.tensor([3, 5]), layout=DCPLayout(2, 0, 2), page_size=4)
     with pytest.raises(ValueError, match=match):
         build_shard(**{**args, **change})
+
+
+@pytest.mark.parametrize("extra", [0, 3])
+def test_build_shard_adds_extra_pages(extra):
+    sl = torch.tensor([5, 17])
+    cache, table = build_shard(torch.randn(22, 1, 6), sl, DCPLayout(2, 1, 2), 4, extra_pages=extra)
+    used = sum(local_pages(s, 2, 2, 1, 4) for s in sl.tolist())
+    assert cache.shape[0] == used + extra and int((table >= 0).sum()) == used

@@ -1,6 +1,7 @@
 import pytest
+import torch
 
-from twostage_mla.check import format_row, run_check
+from twostage_mla.check import format_row, run_check, verdict
 from twostage_mla.cli import main
 
 
@@ -31,3 +32,23 @@ def test_check_hands_over_each_row_as_it_comes():
 def test_check_refuses_a_bad_device():
     with pytest.raises(ValueError, match="expected --device auto, cpu or cuda, got 'gpu'"):
         run_check("gpu")
+
+
+def test_verdict_fails_past_the_tolerance_and_on_nan():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(5, 2, 8, generator=g, dtype=torch.float64)
+    assert verdict(ref.float(), ref, torch.float32)[2]
+    _, rel, ok = verdict(ref * (1 + 1e-4), ref, torch.float32)  # 10x float32's 1e-5
+    assert not ok and rel == pytest.approx(1e-4, rel=1e-3)
+    assert verdict(ref * (1 + 1e-4), ref, torch.bfloat16)[2]
+    nan = ref.clone()
+    nan[0, 0, 0] = float("nan")
+    assert not verdict(nan, ref, torch.bfloat16)[2]
+
+
+def test_check_command_exits_1_on_a_failed_row(monkeypatch):
+    from twostage_mla import check
+
+    rows = [dict(backend="reference", shape="mla", dtype="float32", max_rel_err=1.0, status="FAIL (> 1e-05)")]
+    monkeypatch.setattr(check, "run_check", lambda *a, **k: rows)
+    assert main(["check", "--device", "cpu", "--json"]) == 1

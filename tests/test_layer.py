@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests._views import strided_last
 from tests.dist_helpers import run_ranks
 from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention, comm, synthetic
 
@@ -514,3 +515,95 @@ def _combine_used(rank: int, world: int) -> list[str]:
 def test_combine_picks_its_collective():
     # Both combines give the same numbers, so only the collective they run tells them apart.
     assert run_ranks(2, _combine_used) == [["a2a", "ag_rs"]] * 2
+
+
+SMALL_MLA = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+# two requests with context and no new tokens: query_start_loc, seq_lens, block_table
+I32 = dict(dtype=torch.int32)
+NO_TOKENS = (torch.zeros(3, **I32), torch.tensor([3, 5], **I32), torch.zeros(2, 2, **I32))
+
+
+def test_a_step_with_no_tokens_returns_what_the_call_promises():
+    attn = TwoStageAttention(SMALL_MLA, DCPLayout(), dtype=torch.bfloat16)
+    plan = attn.plan(*NO_TOKENS)
+    bf = dict(dtype=torch.bfloat16)
+    q, k, cache = torch.zeros(0, 2, 24, **bf), torch.zeros(0, 1, 24, **bf), torch.zeros(2, 4, 1, 24, **bf)
+    out = attn(q, k, None, cache, None, plan)
+    assert isinstance(out, torch.Tensor) and out.shape == (0, 2, 16) and out.dtype == torch.bfloat16
+    o, lse = attn(q, k, None, cache, None, plan, return_lse=True)
+    assert o.shape == (0, 2, 16) and lse.shape == (0, 2) and lse.dtype == torch.float32
+
+
+def _no_token_step(rank: int, world: int) -> list[str]:
+    calls = []
+    for name in ("gather_queries", "exchange_a2a", "combine_ag_rs"):
+        real = getattr(comm, name)
+        setattr(comm, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    for combine in ("a2a", "ag_rs"):
+        attn = TwoStageAttention(SMALL_MLA, DCPLayout(world, rank, 2), group=dist.group.WORLD, combine=combine,
+                                 dtype=torch.float32)  # fmt: skip
+        out = attn(torch.zeros(0, 2, 24), torch.zeros(0, 1, 24), None, torch.zeros(2, 4, 1, 24), None,
+                   attn.plan(*NO_TOKENS))  # fmt: skip
+        assert out.shape == (0, 2, 16)
+    return calls
+
+
+def test_a_step_with_no_tokens_runs_no_collective():
+    # docs/api.md: every rank has the step's T, so all return before the all-gather and none waits.
+    assert run_ranks(2, _no_token_step) == [[], []]
+
+
+def _layers_differing_in(rank: int, world: int, what: str) -> str:
+    dtype = (torch.float32, torch.bfloat16)[rank % 2] if what == "dtype" else torch.float32
+    interleave = 1 + rank % 2 if what == "interleave" else 1
+    try:
+        TwoStageAttention(SMALL_MLA, DCPLayout(world, rank, interleave), group=dist.group.WORLD, dtype=dtype)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("what", ["dtype", "interleave"])
+def test_layers_that_differ_in_dtype_or_interleave_are_refused_on_every_rank(what):
+    # docs/api.md: the ranks agree on "a digest of its config, world size, interleave, combine and dtype".
+    for message in run_ranks(2, _layers_differing_in, what):
+        assert re.search(r"same layer on every rank of the DCP group .*got different ones on ranks \[0\] vs \[1\]",
+                         message), message  # fmt: skip
+
+
+def _last_of_three_differs(rank: int, world: int) -> list[str]:
+    layout, last = DCPLayout(world, rank, 2), rank == world - 1
+    step = synthetic.make_step([5, 9], [2, 3], heads=2 * world, head_dim=24, head_dim_v=16, seed=1)
+    x = synthetic.rank_inputs(step, layout, 4, mla=True, dtype=torch.float32, device="cpu")
+    said = []
+
+    def expect(fn, *args, **kwargs):
+        try:
+            fn(*args, **kwargs)
+            said.append("no error")
+        except ValueError as e:
+            said.append(str(e))
+
+    expect(TwoStageAttention, replace(SMALL_MLA, scale=0.3 if last else 0.2), layout, group=dist.group.WORLD,
+           dtype=torch.float32)  # fmt: skip
+    attn = TwoStageAttention(SMALL_MLA, layout, group=dist.group.WORLD, dtype=torch.float32)
+    tree = torch.tensor([-1, 0, -1, 0, 1])
+    expect(attn.plan, x.query_start_loc, x.seq_lens, x.block_table, parents=tree if last else None)
+    return said
+
+
+def test_a_difference_on_the_third_rank_is_refused_on_every_rank():
+    # Every rank's row is compared, not only ranks 0 and 1.
+    for said in run_ranks(3, _last_of_three_differs):
+        assert "same layer on every rank" in said[0] and "ranks [0, 1] vs [2]" in said[0], said
+        assert "same query_start_loc, seq_lens and parents" in said[1] and "ranks [0, 1] vs [2]" in said[1], said
+
+
+def test_a_gqa_v_cache_not_of_stride_1_is_refused():
+    cfg = AttentionConfig(4, 16, 8, 4, 0.25, num_kv_heads=2, kv_format="gqa")
+    step = synthetic.make_step([5, 9], [2, 3], heads=4, head_dim=16, head_dim_v=8, kv_heads=2, mla=False, seed=2)
+    x = synthetic.rank_inputs(step, DCPLayout(), 4, mla=False, dtype=torch.float32, device="cpu")
+    attn = TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32)
+    plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    with pytest.raises(ValueError, match=r"expected v_cache with stride 1 in its last dim, got strides \("):
+        attn(x.q, x.k, x.v, x.k_cache, strided_last(x.v_cache), plan)

@@ -76,3 +76,12 @@ def test_oracle_refuses_inputs_that_disagree(change, match):
     )  # fmt: skip
     with pytest.raises(ValueError, match=match):
         oracle_attention(**{**args, **change})
+
+
+def test_a_request_with_no_queries_is_skipped_with_its_keys():
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(3, 2, 8, generator=g), torch.randn(12, 1, 8, generator=g)
+    both, lse = oracle_attention(q, k, k[..., :6], torch.tensor([0, 0, 3]), torch.tensor([5, 7]), 0.4)
+    alone, lse1 = oracle_attention(q, k[5:], k[5:, :, :6], torch.tensor([0, 3]), torch.tensor([7]), 0.4)
+    torch.testing.assert_close(both, alone)
+    torch.testing.assert_close(lse, lse1)

@@ -203,3 +203,26 @@ def test_metadata_without_values_is_refused_by_name():
     for c, n, name in ((cache, new.to("meta"), "new"), (cache.to("meta"), new.to("meta"), "cache")):
         with pytest.raises(ValueError, match=f"expected {name} on cpu, the plan's device, got meta"):
             plan.write_new_tokens(c, n)
+
+
+def test_write_new_tokens_refuses_new_of_other_heads_or_head_dim():
+    plan = plan_step(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([6], dtype=torch.int32),
+                     torch.tensor([[0, 1]], dtype=torch.int32), page_size=4, layout=DCPLayout())  # fmt: skip
+    cache = torch.zeros(2, 4, 1, 8)
+    for bad in (torch.randn(2, 1, 1), torch.randn(2, 2, 8)):  # (2, 1, 1) would broadcast over D silently
+        with pytest.raises(ValueError, match=r"new: \(T, H_kv, D\) = \(2, 1, 8\) torch.float32 like cache"):
+            plan.write_new_tokens(cache, bad)
+    assert cache.eq(0).all()
+
+
+def test_plan_step_names_a_block_table_on_another_device():
+    with pytest.raises(ValueError, match="expected block_table on cpu like query_start_loc, got meta"):
+        plan_step(torch.tensor([0, 1]), torch.tensor([2]), torch.zeros(1, 1, dtype=torch.int32, device="meta"),
+                  page_size=4, layout=DCPLayout())  # fmt: skip
+
+
+def test_a_table_too_narrow_for_one_of_several_requests_is_refused():
+    # request 0 needs 1 page, request 1 needs 25: the widest need decides
+    with pytest.raises(ValueError, match=r"at least 25 pages per request on every rank, got 2: .*\(request 1 "):
+        plan_step(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([4, 100], dtype=torch.int32),
+                  torch.zeros(2, 2, dtype=torch.int32), page_size=4, layout=DCPLayout())  # fmt: skip

@@ -74,12 +74,21 @@ def run_check(
     return rows
 
 
+def verdict(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> tuple[float, float, bool]:
+    """(max_abs_err, max_rel_err, ok) of out (any shape, any device) against ref, the float64 oracle's.
+
+    ok: max_rel_err within TOLERANCE[dtype]; a NaN anywhere in out fails (its error is NaN).
+    """
+    err = (out.double().cpu() - ref).abs().max().item()
+    rel = err / ref.abs().max().item()
+    return err, rel, rel <= TOLERANCE[dtype]  # NaN compares False
+
+
 def _run_one(name: str, cfg: AttentionConfig, dtype: torch.dtype, dev: torch.device, x, ref, row: dict) -> dict:
     attn = TwoStageAttention(cfg, DCPLayout(), dtype=dtype, device=dev, backend=name)
     out = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, attn.plan(x.query_start_loc, x.seq_lens, x.block_table))
-    err = ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item()
-    ok = err <= TOLERANCE[dtype]  # NaN fails too
-    return {**row, "max_rel_err": err, "status": "ok" if ok else f"FAIL (> {TOLERANCE[dtype]})"}
+    _, rel, ok = verdict(out, ref, dtype)
+    return {**row, "max_rel_err": rel, "status": "ok" if ok else f"FAIL (> {TOLERANCE[dtype]})"}
 
 
 HEADER = f"{'backend':<16}{'shape':<14}{'dtype':<10}{'max_rel_err':>12}  status"

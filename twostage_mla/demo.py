@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from twostage_mla import synthetic
 from twostage_mla.backends import select_backend
-from twostage_mla.check import DTYPES, TOLERANCE
+from twostage_mla.check import DTYPES, TOLERANCE, verdict
 from twostage_mla.comm import COMBINE_METHODS
 from twostage_mla.layer import PHASES, AttentionConfig, TwoStageAttention, _spec
 from twostage_mla.layout import DCPLayout
@@ -166,17 +166,15 @@ def _worker(rank: int, a: DemoArgs, device: str, init: str, out_path: str) -> No
         outs = [torch.empty_like(out) for _ in range(a.world_size)] if rank == 0 else None
         dist.gather(out.contiguous(), outs, dst=0)
         if rank == 0:
-            full = torch.cat([o.double().cpu() for o in outs], dim=1)
-            err = (full - ref).abs().max().item()
+            err, rel, ok = verdict(torch.cat([o.double().cpu() for o in outs], dim=1), ref, dtype)
             phases = {}
             for e in prof.key_averages():
                 if e.key in PHASES:
                     dev_us = getattr(e, "device_time_total", 0.0) if device == "cuda" else 0.0
                     phases[e.key] = (dev_us or e.cpu_time_total) / a.iters
-            rel, tol = err / ref.abs().max().item(), TOLERANCE[dtype]
             result = {
-                "ok": rel <= tol,  # NaN fails too
-                "tolerance": tol,
+                "ok": ok,
+                "tolerance": TOLERANCE[dtype],
                 "max_abs_err": err,
                 "max_rel_err": rel,
                 "world_size": a.world_size,
