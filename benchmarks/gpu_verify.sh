@@ -169,7 +169,7 @@ elif [ "$part" = suite ]; then
   jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
   jit_wait
   stamp "the CPU suite with CUDA present (log: suite_pytest.log)"
-  timeout 370 python3 -m pytest -q -rs -p no:cacheprovider -m "not gpu" tests --timeout 200 > "$OUT/suite_pytest.log" 2>&1
+  timeout 400 python3 -m pytest -q -rs -p no:cacheprovider -m "not gpu" tests --timeout 200 > "$OUT/suite_pytest.log" 2>&1
   echo "rc=$?"; grep -v "^SKIPPED" "$OUT/suite_pytest.log" | grep -v "^  \|^$" | tail -20
   grep "^SKIPPED" "$OUT/suite_pytest.log" | cut -c1-160 | sort | uniq -c | sort -rn | head -12
   check_report
