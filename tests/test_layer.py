@@ -16,6 +16,8 @@ from tests.dist_helpers import run_ranks
 from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention, comm, synthetic
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# MLA with 2 heads per rank, D = 16 + 8, page 4: the small layer of the refusal and NaN tests
+SMALL_MLA = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
 
 
 def cases(world: int) -> list[dict]:
@@ -95,7 +97,7 @@ def test_layer_matches_oracle(world):
 
 def _nan_query(rank: int, world: int) -> list[tuple[str, bool, bool, float]]:
     """NaN in one query (rank 0's token 3, head 0): that row's output is NaN, every other one exact."""
-    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    cfg = SMALL_MLA
     step = synthetic.make_step([5, 30, 0], [2, 4, 3], heads=2 * world, head_dim=24, head_dim_v=16, seed=4)
     x = synthetic.rank_inputs(step, DCPLayout(world, rank, 2), 4, mla=True, dtype=torch.float32, device="cpu")
     if rank == 0:
@@ -128,11 +130,7 @@ def test_nan_query_reaches_its_row_and_no_other():
 def test_nan_in_a_fresh_key_reaches_only_the_tokens_that_see_it(fmt, tree):
     """The query pass: a key a token does not see (a later token, a tree sibling) adds nothing, not 0 x NaN."""
     mla = fmt == "mla"
-    cfg = (
-        AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
-        if mla
-        else AttentionConfig(4, 16, 12, 4, 0.25, num_kv_heads=2, kv_format="gqa")
-    )
+    cfg = SMALL_MLA if mla else AttentionConfig(4, 16, 12, 4, 0.25, num_kv_heads=2, kv_format="gqa")
     step = synthetic.make_step([5, 9], [4, 3], heads=cfg.num_heads, head_dim=cfg.head_dim,
                                head_dim_v=cfg.head_dim_v, kv_heads=cfg.num_kv_heads, mla=mla, seed=3)  # fmt: skip
     parents = torch.tensor([-1, 0, 0, 1, -1, 0, 1]) if tree else None
@@ -152,7 +150,7 @@ def test_nan_in_a_fresh_key_reaches_only_the_tokens_that_see_it(fmt, tree):
 def _bad_inputs(rank: int, world: int) -> list[str]:
     """Every rank makes the same mistakes; each must raise before any collective."""
     layout = DCPLayout(world, rank, 2)
-    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    cfg = SMALL_MLA
     step = synthetic.make_step([5, 9], [2, 3], heads=2 * world, head_dim=24, head_dim_v=16, seed=1)
     x = synthetic.rank_inputs(step, layout, 4, mla=True, dtype=torch.float32, device="cpu")
     attn = TwoStageAttention(cfg, layout, group=dist.group.WORLD, dtype=torch.float32)
@@ -242,7 +240,7 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
 def _build_on_another_group(rank: int, world: int) -> str | None:
     if rank:  # never joins rank 0's group in an agreement: rank 0 must not wait for it
         return None
-    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    cfg = SMALL_MLA
     try:
         TwoStageAttention(cfg, DCPLayout(world + 1, 0), group=dist.group.WORLD, dtype=torch.float32)
     except ValueError as e:
@@ -300,7 +298,7 @@ def _one_rank_group(rank: int, world: int) -> int:
     calls = []
     real = comm.agree
     comm.agree = lambda *a, **k: calls.append(a) or real(*a, **k)
-    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    cfg = SMALL_MLA
     step = synthetic.make_step([5], [2], heads=2, head_dim=24, head_dim_v=16)
     x = synthetic.rank_inputs(step, DCPLayout(), 4, mla=True, dtype=torch.float32, device="cpu")
     attn = TwoStageAttention(cfg, DCPLayout(), group=dist.group.WORLD, dtype=torch.float32)
@@ -371,7 +369,7 @@ def _one_rank_step(cfg: AttentionConfig, **kw):
 
 
 def test_plan_of_another_config_is_refused():
-    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    cfg = SMALL_MLA
     x, attn = _one_rank_step(cfg)
     other = TwoStageAttention(
         AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.3),
@@ -390,7 +388,7 @@ def test_plan_of_another_config_is_refused():
 def test_capture_limits_need_a_backend_with_fixed_buffers():
     # The reference backend reads the plan's own tensors: a graph replayed after
     # another plan would silently use the captured step's indices. Refused, by name.
-    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    cfg = SMALL_MLA
     limits = dict(max_batch_size=4, max_tokens=16, max_pages=16)
     for backend in ("auto", "reference"):
         with pytest.raises(ValueError, match=r"reference: keeps no metadata in fixed buffers, so capture limits"):
@@ -404,13 +402,13 @@ def test_capture_limits_need_a_backend_with_fixed_buffers():
 
 def test_no_float64_layer():
     # The reference computes in float32: a float64 layer would silently be float32-accurate.
-    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    cfg = SMALL_MLA
     with pytest.raises(ValueError, match=r"reference: dtype torch.float64 not in"):
         TwoStageAttention(cfg, DCPLayout(), dtype=torch.float64)
 
 
 def test_num_pages_must_be_a_positive_int():
-    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    cfg = SMALL_MLA
     x, attn = _one_rank_step(cfg)
     for bad in (True, 0, 2.0):
         with pytest.raises(ValueError, match=r"num_pages to be None or a positive int, got"):
@@ -503,7 +501,7 @@ def _combine_used(rank: int, world: int) -> list[str]:
     comm.exchange_a2a = lambda *a, **k: used.append("a2a") or a2a(*a, **k)
     comm.combine_ag_rs = lambda *a, **k: used.append("ag_rs") or ag_rs(*a, **k)
     layout = DCPLayout(world, rank, 2)
-    cfg = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
+    cfg = SMALL_MLA
     step = synthetic.make_step([5], [2], heads=2 * world, head_dim=24, head_dim_v=16, seed=1)
     x = synthetic.rank_inputs(step, layout, 4, mla=True, dtype=torch.float32, device="cpu")
     for combine in ("a2a", "ag_rs"):
@@ -517,7 +515,6 @@ def test_combine_picks_its_collective():
     assert run_ranks(2, _combine_used) == [["a2a", "ag_rs"]] * 2
 
 
-SMALL_MLA = AttentionConfig.mla(num_heads=2, kv_lora_rank=16, rope_dim=8, page_size=4, scale=0.2)
 # two requests with context and no new tokens: query_start_loc, seq_lens, block_table
 I32 = dict(dtype=torch.int32)
 NO_TOKENS = (torch.zeros(3, **I32), torch.tensor([3, 5], **I32), torch.zeros(2, 2, **I32))
