@@ -2,6 +2,7 @@
 
     python3 benchmarks/jit_warm.py mla bfloat16     # BatchMLAPagedAttention (both masks)
     python3 benchmarks/jit_warm.py gqa float16      # paged + ragged prefill, head dim 128
+    python3 benchmarks/jit_warm.py gqa bfloat16 --head-dim 256   # the same at another head dim
 
 Runs one tiny layer call through the flashinfer backend; FlashInfer caches
 what it compiles (~/.cache/flashinfer), so later processes only load it.
@@ -18,6 +19,7 @@ from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention, syntheti
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 p.add_argument("format", choices=("mla", "gqa"), help="the KV layout whose kernels to build")
 p.add_argument("dtype", choices=("bfloat16", "float16"), help="the dtype they are built for")
+p.add_argument("--head-dim", type=int, choices=(64, 128, 256), default=128, help="GQA only: the head dim to build")
 args = p.parse_args()
 require_cuda(p, "builds FlashInfer's CUDA kernels")
 fmt, dtype = args.format, getattr(torch, args.dtype)
@@ -25,7 +27,7 @@ t0 = time.time()
 if fmt == "mla":
     cfg = AttentionConfig.mla(num_heads=16, kv_lora_rank=512, rope_dim=64, page_size=64, scale=0.1)
 else:
-    cfg = AttentionConfig(8, 128, 128, 64, 0.1, num_kv_heads=2, kv_format="gqa")
+    cfg = AttentionConfig(8, args.head_dim, args.head_dim, 64, 0.1, num_kv_heads=2, kv_format="gqa")
 mla = fmt == "mla"
 step = synthetic.make_step([100, 0], [2, 3], heads=cfg.num_heads, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
                            kv_heads=cfg.num_kv_heads, mla=mla, dtype=dtype)
@@ -34,4 +36,5 @@ for fuse in (False, True):  # FlashInfer's own (causal) query pass, and the fuse
     attn = TwoStageAttention(cfg, DCPLayout(), backend="flashinfer", dtype=dtype, device="cuda:0", fuse_query=fuse)
     attn(x.q, x.k, x.v, x.k_cache, x.v_cache, attn.plan(x.query_start_loc, x.seq_lens, x.block_table))
 torch.cuda.synchronize()
-print(f"jit_warm {fmt} {args.dtype}: ready in {time.time() - t0:.0f} s", flush=True)
+what = f"{fmt} {args.dtype}" + ("" if mla else f" d{args.head_dim}")
+print(f"jit_warm {what}: ready in {time.time() - t0:.0f} s", flush=True)

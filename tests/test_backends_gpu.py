@@ -1,7 +1,8 @@
 """Every GPU backend present, through the whole layer, against the float64 oracle (marker ``gpu``).
 
-One rank (N = 1) on one GPU: bf16 and fp16, MLA 576/512 (16 and 128 heads)
-and GQA (8 query heads over 2 KV heads, head dim 128), page sizes 1..256,
+One rank (N = 1) on one GPU: bf16 and fp16, MLA 576/512 (16 heads) and GQA
+(8 query heads over 2 KV heads, head dim 128); in bf16 also MLA with 1 - 1024
+heads and GQA at head dims 64 and 256 and other groupings; page sizes 1..256,
 contexts that are empty, shorter than a page, a page, longer; causal chains
 and tree masks. CUDA graphs: the per-layer call captured once and replayed
 many times gives the eager result; with capture limits (flashinfer) a graph
@@ -166,15 +167,31 @@ def test_nan_in_unwritten_cache_slots(name, fmt):
     _check(step, cfg, torch.bfloat16, out, lse, f"{name} with NaN in unwritten slots")
 
 
+# Heads on a rank are the model's over tensor parallelism (DeepSeek-V3 128 / TP, Kimi K2 64 / TP, 40-head
+# MLA models / TP: 10, 20), and a rank's context pass sees N times them under DCP (16 x 8 = 128 ... 128 x 8 =
+# 1024): at N = 1 the layer runs its kernels on exactly those head counts. GQA: (heads, kv_heads, head_dim).
+HEAD_COUNTS = [("mla", h, 1, 576) for h in (1, 2, 4, 8, 10, 20, 32, 64, 128, 256, 1024)] + [
+    ("gqa", h, hk, d) for h, hk, d in ((1, 1, 64), (4, 4, 128), (10, 2, 128), (32, 8, 128), (16, 1, 256), (64, 8, 64))
+]
+
+
 @pytest.mark.parametrize("fuse", [False, True], ids=["backend-query", "fused-query"])
 @pytest.mark.parametrize("name", [n for n in backend_names() if n != "reference"])
-def test_mla_128_heads(name, fuse):
-    cfg = _config("mla", 128, 64)
+@pytest.mark.parametrize("fmt,heads,kv_heads,dim", HEAD_COUNTS, ids=[f"{f}-{h}x{k}-d{d}" for f, h, k, d in HEAD_COUNTS])
+def test_head_counts(name, fuse, fmt, heads, kv_heads, dim):
+    if fmt == "mla":
+        cfg = _config("mla", heads, 64)
+    else:
+        cfg = AttentionConfig(num_heads=heads, head_dim=dim, head_dim_v=dim, page_size=64, scale=dim**-0.5,
+                              num_kv_heads=kv_heads, kv_format="gqa")  # fmt: skip
     if name not in _serving(cfg, torch.bfloat16):
-        pytest.skip(f"{name} does not serve MLA here")
-    step, x, attn, plan = _run(name, cfg, torch.bfloat16, [0, 100, 1000, 4000], [4, 1, 8, 3], seed=1, fuse=fuse)
-    out, lse = attn(x.q, x.k, None, x.k_cache, None, plan, return_lse=True)
-    _check(step, cfg, torch.bfloat16, out, lse, name)
+        pytest.skip(f"{name}: {'; '.join(refusals(_spec(cfg, torch.bfloat16))[name])}")
+    tree = heads % 2 == 0  # half the shapes with a tree mask
+    ctx, ql = ([0, 63, 700, 2100], [4, 1, 16, 3]) if heads <= 128 else ([0, 100, 900], [4, 1, 8])
+    step, x, attn, plan = _run(name, cfg, torch.bfloat16, ctx, ql, tree=tree, seed=heads, fuse=fuse)
+    out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
+    rel, lse_err = _check(step, cfg, torch.bfloat16, out, lse, f"{name} {fmt} {heads}x{kv_heads} d{dim}")
+    print(f"{name} {fmt} {heads}x{kv_heads} d{dim} fuse {fuse} tree {tree}: rel {rel:.2e} lse {lse_err:.2e}")
 
 
 @pytest.mark.parametrize("name", [n for n in backend_names() if n != "reference"])
