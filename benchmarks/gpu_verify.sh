@@ -17,8 +17,10 @@
 #                                           # where there are two GPUs (and benchmarks/context_probe.py on the
 #                                           # second GPU meanwhile), twostage-mla check
 #   bash benchmarks/gpu_verify.sh bench     # one GPU: the whole bench grid alone (fused default and unfused)
-#   bash benchmarks/gpu_verify.sh layer     # what a change outside the kernels needs, with `main` after it:
-#                                           # the whole one-GPU test file, twostage-mla check
+#   bash benchmarks/gpu_verify.sh layer     # what a change outside the kernels needs, in one call: the
+#                                           # one-GPU test file but its head counts, twostage-mla check, `main`
+#   bash benchmarks/gpu_verify.sh heads     # one GPU: the layer at MLA head counts 1 - 1024, GQA head dims 64,
+#                                           # 128, 256, every backend (a call of its own: FlashInfer builds)
 #   bash benchmarks/gpu_verify.sh main      # two GPUs (one where there is one): the README's demo over NCCL (both
 #                                           # combines, I = 16), the torchrun example
 #   bash benchmarks/gpu_verify.sh model     # DeepSeek-V3 real dims over NCCL, float32, a chain and a tree
@@ -32,7 +34,7 @@
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
-part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|bench|tests|layer|recheck|main|model|capture|suite}
+part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|bench|tests|layer|heads|recheck|main|model|capture|suite}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export MAX_JOBS=16 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TQDM_MININTERVAL=30
@@ -109,7 +111,7 @@ elif [ "$part" = tests ]; then
   fi
   stamp "the whole one-GPU test file (log: gpu_tests.log)"
   CUDA_VISIBLE_DEVICES=0 timeout 270 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" \
-    tests/test_backends_gpu.py --timeout 200 > "$OUT/gpu_tests.log" 2>&1
+    tests/test_backends_gpu.py -k "not head_counts" --timeout 200 > "$OUT/gpu_tests.log" 2>&1
   grep -v "^SKIPPED" "$OUT/gpu_tests.log" | tail -8
   if [ "$ngpu" -ge 2 ]; then
     wait "$probe"
@@ -137,7 +139,7 @@ elif [ "$part" = kernel ]; then
     --backends flashinfer --unfused --methods twostage,onepass,expand,floor --out "$OUT/bench_fused.json" 2>&1 | tail -40
   stamp "layer tests against the oracle with the fused kernel (MLA, flashinfer and reference; graphs, NaN, empty)"
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-    -k "(fused-query and mla and (flashinfer or reference)) or graph or nan or empty" --timeout 100 2>&1 \
+    -k "((fused-query and mla and (flashinfer or reference)) or graph or nan or empty) and not head_counts" --timeout 100 2>&1 \
     | grep -v "^SKIPPED" | tail -8
   if [ "$ngpu" -ge 2 ]; then
     stamp "two-GPU NCCL test (the fused kernel after a2a and ag_rs)"
@@ -176,17 +178,27 @@ elif [ "$part" = suite ]; then
   stamp "the README's demo on the GPU (N = 1 over NCCL)"
   timeout 90 python3 -m twostage_mla demo --world-size 1 --device cuda 2>&1 | grep -v "USDT\|warn\|func(" | tail -8
 elif [ "$part" = layer ]; then
-  # The head-count test's GQA head dims 64 and 256 build modules of their own: with them, the file and
-  # `main` no longer fit one call (session 18), so `main` is a call of its own after this one.
-  jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16" "gqa bfloat16 --head-dim 64" \
-    "gqa bfloat16 --head-dim 256"
+  jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
   jit_wait
-  stamp "the whole one-GPU test file (log: gpu_tests.log), check in the background"
-  check_start 300
-  timeout 380 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" \
-    tests/test_backends_gpu.py --timeout 200 > "$OUT/gpu_tests.log" 2>&1
+  stamp "the one-GPU test file but the head counts, which are \`heads\` (log: gpu_tests.log)"
+  timeout 270 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" \
+    tests/test_backends_gpu.py -k "not head_counts" --timeout 200 > "$OUT/gpu_tests.log" 2>&1
   grep -v "^SKIPPED" "$OUT/gpu_tests.log" | grep -v "^  \|^$" | tail -30
+  stamp "check in the background, main meanwhile"
+  check_start 200
+  bash "$0" main
   check_report
+  stamp done
+  exit 0
+elif [ "$part" = heads ]; then
+  # Besides these four builds, FlashInfer builds a module on the first call of some head counts
+  # (GQA 1 x 1, 4 x 4, 16 x 1, MLA 1 head: 20 - 70 s each, session 18), so the test alone takes ~250 s.
+  jit "mla bfloat16" "gqa bfloat16" "gqa bfloat16 --head-dim 64" "gqa bfloat16 --head-dim 256"
+  jit_wait
+  stamp "the layer at MLA head counts 1 - 1024, GQA head dims 64 - 256 (log: head_counts.log)"
+  timeout 330 python3 -m pytest -v -rs -p no:cacheprovider tests/test_backends_gpu.py -k head_counts \
+    --timeout 200 --durations=10 > "$OUT/head_counts.log" 2>&1
+  echo "rc=$?"; grep "FAILED\|Error" "$OUT/head_counts.log" | head -20; tail -16 "$OUT/head_counts.log"
 elif [ "$part" = main ]; then
   jit "mla bfloat16"
   jit_wait
@@ -232,7 +244,7 @@ elif [ "$part" = final ]; then
     two=$!
   fi
   timeout 250 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-    -k "mla_128 or nan or (fused-query and (mla or float16))" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
+    -k "mla-128x1 or ((nan or (fused-query and (mla or float16))) and not head_counts)" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
   if [ "$ngpu" -ge 2 ]; then
     wait "$two"
     grep "rank .: \|passed\|failed\|Error\|assert" "$OUT/two_gpus.log" | tail -14
@@ -250,7 +262,7 @@ elif [ "$part" = correct ]; then
     > "$OUT/two_gpus.log" 2>&1 &
   two=$!
   timeout 280 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-    --timeout 200 2>&1 | grep -v "^SKIPPED" | tail -25
+    -k "not head_counts" --timeout 200 2>&1 | grep -v "^SKIPPED" | tail -25
   stamp "Triton kernel tests on CUDA"
   kernel_tests
   wait "$two"
@@ -278,7 +290,7 @@ else
   stamp "fused kernel on CUDA: kernel tests, layer tests against the oracle"
   kernel_tests
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-    -k "fused-query and (flashinfer or reference)" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
+    -k "fused-query and (flashinfer or reference) and not head_counts" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
   stamp "bench: B=32, the default (fused query pass) vs FlashInfer query pass + merge"
   timeout 200 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K --q-len 4,8 --heads 16,128 \
     --backends flashinfer --unfused --methods twostage,onepass,expand,floor --out "$OUT/bench_fused.json" 2>&1 | tail -40
