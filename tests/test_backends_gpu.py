@@ -2,7 +2,8 @@
 
 One rank (N = 1) on one GPU: bf16 and fp16, MLA 576/512 (16 heads) and GQA
 (8 query heads over 2 KV heads, head dim 128); in bf16 also MLA with 1 - 1024
-heads and GQA at head dims 64 and 256 and other groupings; page sizes 1..256,
+heads and GQA at head dims 64 and 256 and other groupings, chunked prefills of
+hundreds of tokens, and float32 where a backend declares it; page sizes 1..256,
 contexts that are empty, shorter than a page, a page, longer; causal chains
 and tree masks. CUDA graphs: the per-layer call captured once and replayed
 many times gives the eager result; with capture limits (flashinfer) a graph
@@ -32,7 +33,7 @@ pytestmark = [
 ]
 
 DEV = torch.device("cuda", 0)
-TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}  # max |out - oracle| / max |oracle|
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}  # max |out - oracle| / max |oracle|
 LSE_TOL = 2e-3  # inputs are exact in the dtype, lse is float32: only accumulation rounding
 MLA = dict(kv_lora_rank=512, rope_dim=64)
 
@@ -192,6 +193,33 @@ def test_head_counts(name, fuse, fmt, heads, kv_heads, dim):
     out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
     rel, lse_err = _check(step, cfg, torch.bfloat16, out, lse, f"{name} {fmt} {heads}x{kv_heads} d{dim}")
     print(f"{name} {fmt} {heads}x{kv_heads} d{dim} fuse {fuse} tree {tree}: rel {rel:.2e} lse {lse_err:.2e}")
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["backend-query", "fused-query"])
+@pytest.mark.parametrize("name", [n for n in backend_names()])
+@pytest.mark.parametrize("fmt", ["mla", "gqa"])
+def test_chunked_prefill(name, fmt, fuse):
+    """Chunks of hundreds of new tokens (a first chunk, one over context) beside decode tokens in one step:
+    the query passes' long causal loops, which the grid's q_len <= 16 never reaches."""
+    cfg = _served_config(name, fmt)
+    step, x, attn, plan = _run(name, cfg, torch.bfloat16, [0, 700, 1500, 64], [200, 1, 512, 37], seed=9, fuse=fuse)
+    out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
+    _check(step, cfg, torch.bfloat16, out, lse, f"{name} {fmt} chunked prefill")
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["backend-query", "fused-query"])
+@pytest.mark.parametrize("name", [n for n in backend_names()])
+@pytest.mark.parametrize("fmt", ["mla", "gqa"])
+def test_float32(name, fmt, fuse):
+    """Where a backend declares float32 (torch_efficient, the reference), it is float32-exact on the GPU;
+    the fused kernel's dots run in IEEE float32 there, not TF32."""
+    cfg = _config(fmt, 16 if fmt == "mla" else 8, 64)
+    if name not in _serving(cfg, torch.float32):
+        pytest.skip(f"{name}: {'; '.join(refusals(_spec(cfg, torch.float32))[name])}")
+    step, x, attn, plan = _run(name, cfg, torch.float32, [0, 63, 700, 2100], [4, 1, 16, 3], seed=5, tree=fuse,
+                               fuse=fuse)  # fmt: skip
+    out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
+    _check(step, cfg, torch.float32, out, lse, f"{name} {fmt} float32")
 
 
 @pytest.mark.parametrize("name", [n for n in backend_names() if n != "reference"])
