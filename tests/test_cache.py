@@ -39,7 +39,7 @@ def test_each_position_is_stored_once_at_its_owner(n, il, page):
         (dict(page_size=0), "expected page_size to be a positive multiple of interleave = 2, got 0"),
         (dict(page_size=3), "expected page_size to be a positive multiple of interleave = 2, got 3"),
         (dict(layout=(2, 0, 2)), "expected layout to be a DCPLayout, got tuple"),
-        (dict(extra_pages=-1), "expected extra_pages >= 0, got -1"),
+        (dict(extra_pages=-1), "expected extra_pages to be an int >= 0, got -1"),
         (dict(kv=torch.ones(8, 1, 6, dtype=torch.long)), "expected kv: a floating-point tensor with values, got "),
         (dict(generator=0), "expected generator to be a CPU torch.Generator or None, got 0"),
         (dict(fill="nan"), "expected fill to be a real number or None, got 'nan'"),

@@ -323,9 +323,9 @@ def test_config_errors():
         TwoStageAttention(AttentionConfig(4, 16, 16, 4, 0.1), DCPLayout(), fuse_query="yes")
     with pytest.raises(ValueError, match="kv_format 'mla' or 'gqa'"):
         AttentionConfig(4, 16, 16, 4, 0.1, 1, "mha")
-    with pytest.raises(ValueError, match="num_heads to be a positive int, got 0"):
+    with pytest.raises(ValueError, match="num_heads to be an int >= 1, got 0"):
         AttentionConfig(0, 16, 16, 4, 0.1)
-    with pytest.raises(ValueError, match="page_size to be a positive int, got True"):
+    with pytest.raises(ValueError, match="page_size to be an int >= 1, got True"):
         AttentionConfig(4, 16, 16, True, 0.1)
     # AttentionConfig.mla names its own arguments (rope_dim=True would be taken as 1)
     for kw, match in [(dict(rope_dim=True), "rope_dim to be an int >= 0, got True"),
@@ -411,7 +411,7 @@ def test_num_pages_must_be_a_positive_int():
     cfg = SMALL_MLA
     x, attn = _one_rank_step(cfg)
     for bad in (True, 0, 2.0):
-        with pytest.raises(ValueError, match=r"num_pages to be None or a positive int, got"):
+        with pytest.raises(ValueError, match=r"num_pages to be an int >= 1, got"):
             attn.plan(x.query_start_loc, x.seq_lens, x.block_table, num_pages=bad)
     attn.plan(x.query_start_loc, x.seq_lens, x.block_table, num_pages=x.k_cache.shape[0])
 

@@ -91,17 +91,19 @@ def test_kv_slots_refuse_a_padding_entry_for_a_position_this_rank_owns():
 
 
 def test_layout_rejects_bad_values():
-    with pytest.raises(ValueError, match="world_size >= 1"):
-        DCPLayout(0, 0, 1)
-    with pytest.raises(ValueError, match="interleave >= 1"):
-        DCPLayout(2, 0, 0)
-    for rank in (2, -1):
-        with pytest.raises(ValueError, match=rf"0 <= rank < world_size = 2, got rank={rank}"):
-            DCPLayout(2, rank, 1)
-    with pytest.raises(ValueError, match="expected interleave to be an int, got True"):
-        DCPLayout(2, 0, True)
-    with pytest.raises(ValueError, match="expected world_size to be an int, got 2.0"):
-        DCPLayout(2.0, 0, 1)
+    for args, match in [
+        ((0, 0, 1), "expected world_size to be an int >= 1, got 0"),
+        ((2, 0, 0), "expected interleave to be an int >= 1, got 0"),
+        ((2, 2, 1), r"expected 0 <= rank < world_size = 2, got rank=2"),
+        ((2, -1, 1), "expected rank to be an int >= 0, got -1"),
+        ((2, 0, True), "expected interleave to be an int >= 1, got True"),
+        ((2.0, 0, 1), "expected world_size to be an int >= 1, got 2.0"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            DCPLayout(*args)
+    np = pytest.importorskip("numpy")
+    layout = DCPLayout(np.int64(2), np.int32(1), 4)  # NumPy ints, kept as Python ints
+    assert (type(layout.world_size), type(layout.rank)) == (int, int)
 
 
 def test_formulas_refuse_bad_arguments():

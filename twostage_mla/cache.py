@@ -10,7 +10,7 @@ import numbers
 
 import torch
 
-from twostage_mla.layout import DCPLayout, _check_page_size, _int_tensor, kv_slots, local_pages
+from twostage_mla.layout import DCPLayout, _check_page_size, _int_arg, _int_tensor, kv_slots, local_pages
 
 
 def build_shard(
@@ -51,8 +51,7 @@ def build_shard(
         raise ValueError(f"expected generator to be a CPU torch.Generator or None, got {generator!r}")
     if fill is not None and (isinstance(fill, bool) or not isinstance(fill, numbers.Real)):
         raise ValueError(f"expected fill to be a real number or None, got {fill!r}")
-    if isinstance(extra_pages, bool) or not isinstance(extra_pages, numbers.Integral) or extra_pages < 0:
-        raise ValueError(f"expected extra_pages >= 0, got {extra_pages!r}")
+    _int_arg("extra_pages", extra_pages, 0)
     n, r, i = layout.world_size, layout.rank, layout.interleave
     pages = [local_pages(s, n, i, r, page_size) for s in sl]
     # Every rank's table is as wide as rank 0 needs (the most), as plan_step asks.

@@ -70,10 +70,7 @@ class AttentionConfig:
         # Sizes may come from a model config as NumPy scalars: kept as Python numbers, so that
         # equal configs hash alike (a plan's check, the agreement across ranks).
         for name in ("num_heads", "head_dim", "head_dim_v", "page_size", "num_kv_heads"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-                raise ValueError(f"expected {name} to be a positive int, got {v!r}")
-            object.__setattr__(self, name, int(v))
+            object.__setattr__(self, name, _int_arg(name, getattr(self, name), 1))
         if self.kv_format not in ("mla", "gqa"):
             raise ValueError(f"expected kv_format 'mla' or 'gqa', got {self.kv_format!r}")
         if self.kv_format == "mla" and (self.num_kv_heads != 1 or self.head_dim_v > self.head_dim):
@@ -379,9 +376,7 @@ class TwoStageAttention:
             query_start_loc, seq_lens, block_table, page_size=self.config.page_size, layout=self.layout, parents=parents
         )
         if num_pages is not None:
-            if not isinstance(num_pages, numbers.Integral) or isinstance(num_pages, bool) or num_pages < 1:
-                raise ValueError(f"expected num_pages to be None or a positive int, got {num_pages!r}")
-            _check_pages(plan, "num_pages", int(num_pages))
+            _check_pages(plan, "num_pages", _int_arg("num_pages", num_pages, 1))
         limits = self.backend.limits
         # Under capture limits, requests of up to 16 tokens through the fused kernel get a fixed
         # (max_batch_size, max_q_len, max_q_len) mask, causal on causal steps: one graph serves

@@ -27,6 +27,13 @@ import torch
 IntLike = int | torch.Tensor
 
 
+def _int_arg(name: str, v: Any, low: int) -> int:
+    """``v`` as a Python int (NumPy ints too), or a ValueError naming ``name``; bool is an int never meant as one."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
+        raise ValueError(f"expected {name} to be an int >= {low}, got {v!r}")
+    return int(v)
+
+
 @dataclass(frozen=True)
 class DCPLayout:
     """How positions are spread over a DCP group.
@@ -41,22 +48,10 @@ class DCPLayout:
     interleave: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "rank", "interleave"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral):  # bool: an int, never meant as one
-                raise ValueError(f"expected {name} to be an int, got {v!r}")
-            object.__setattr__(self, name, int(v))  # NumPy ints too, kept as Python ints
-        if self.world_size < 1:
-            raise ValueError(f"expected world_size >= 1 (an int), got {self.world_size!r}")
-        if self.interleave < 1:
-            raise ValueError(f"expected interleave >= 1 (an int), got {self.interleave!r}")
-        if not 0 <= self.rank < self.world_size:
+        for name, low in (("world_size", 1), ("rank", 0), ("interleave", 1)):
+            object.__setattr__(self, name, _int_arg(name, getattr(self, name), low))
+        if self.rank >= self.world_size:
             raise ValueError(f"expected 0 <= rank < world_size = {self.world_size}, got rank={self.rank!r}")
-
-
-def _int_arg(name: str, v: Any, low: int) -> None:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
-        raise ValueError(f"expected {name} to be an int >= {low}, got {v!r}")
 
 
 def _int_tensor(name: str, x: Any, dim: int) -> torch.Tensor:
@@ -79,11 +74,7 @@ def _check_page_size(page_size: Any, layout: DCPLayout) -> None:
 
 def _check_args(name: str, x: Any, world_size: Any, interleave: Any, rank: Any = 0) -> None:
     """Raise unless N, I >= 1, 0 <= rank < N, and ``x`` (named ``name``) is an int >= 0 or an integer tensor."""
-    _int_arg("world_size", world_size, 1)
-    _int_arg("interleave", interleave, 1)
-    _int_arg("rank", rank, 0)
-    if rank >= world_size:
-        raise ValueError(f"expected 0 <= rank < world_size = {world_size}, got rank={rank!r}")
+    DCPLayout(world_size, rank, interleave)  # its checks, naming the argument
     if isinstance(x, torch.Tensor):
         if x.dtype.is_floating_point or x.is_complex() or x.dtype == torch.bool:
             raise ValueError(f"expected {name} to be an int or an integer tensor, got a {x.dtype} tensor")
