@@ -207,19 +207,22 @@ def test_chunked_prefill(name, fmt, fuse):
     _check(step, cfg, torch.bfloat16, out, lse, f"{name} {fmt} chunked prefill")
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["backend-query", "fused-query"])
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize("name", [n for n in backend_names()])
 @pytest.mark.parametrize("fmt", ["mla", "gqa"])
-def test_float32(name, fmt, fuse):
-    """Where a backend declares float32 (torch_efficient, the reference), it is float32-exact on the GPU;
-    the fused kernel's dots run in IEEE float32 there, not TF32."""
+def test_float32(name, fmt, tree):
+    """Where a backend declares float32 (torch_efficient, the reference), it is float32-exact on the GPU.
+    The fused kernel serves bf16 and fp16 only: by default the layer merges without it, and asked for it,
+    it says so."""
     cfg = _config(fmt, 16 if fmt == "mla" else 8, 64)
     if name not in _serving(cfg, torch.float32):
         pytest.skip(f"{name}: {'; '.join(refusals(_spec(cfg, torch.float32))[name])}")
-    step, x, attn, plan = _run(name, cfg, torch.float32, [0, 63, 700, 2100], [4, 1, 16, 3], seed=5, tree=fuse,
-                               fuse=fuse)  # fmt: skip
+    step, x, attn, plan = _run(name, cfg, torch.float32, [0, 63, 700, 2100], [4, 1, 16, 3], seed=5, tree=tree)
+    assert attn.query_merge is None
     out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
     _check(step, cfg, torch.float32, out, lse, f"{name} {fmt} float32")
+    with pytest.raises(ValueError, match="the fused kernel needs CUDA, Triton and bf16 or fp16"):
+        TwoStageAttention(cfg, DCPLayout(), backend=name, dtype=torch.float32, device=DEV, fuse_query=True)
 
 
 @pytest.mark.parametrize("name", [n for n in backend_names() if n != "reference"])
