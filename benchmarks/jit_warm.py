@@ -29,8 +29,10 @@ if fmt == "mla":
 else:
     cfg = AttentionConfig(8, args.head_dim, args.head_dim, 64, 0.1, num_kv_heads=2, kv_format="gqa")
 mla = fmt == "mla"
-step = synthetic.make_step([100, 0], [2, 3], heads=cfg.num_heads, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
-                           kv_heads=cfg.num_kv_heads, mla=mla, dtype=dtype)
+# A chunk of 200 new tokens beside decode tokens, as the chunked-prefill test runs: FlashInfer built
+# one more GQA module for it on the H200 (session 18).
+step = synthetic.make_step([100, 0, 50], [2, 3, 200], heads=cfg.num_heads, head_dim=cfg.head_dim,
+                           head_dim_v=cfg.head_dim_v, kv_heads=cfg.num_kv_heads, mla=mla, dtype=dtype)
 x = synthetic.rank_inputs(step, DCPLayout(), 64, mla=mla, dtype=dtype, device="cuda:0")
 for fuse in (False, True):  # FlashInfer's own (causal) query pass, and the fused Triton one
     attn = TwoStageAttention(cfg, DCPLayout(), backend="flashinfer", dtype=dtype, device="cuda:0", fuse_query=fuse)
