@@ -176,10 +176,11 @@ HEAD_COUNTS = [("mla", h, 1, 576) for h in (1, 2, 4, 8, 10, 20, 32, 64, 128, 256
 ]
 
 
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])  # a chain: the backend's own query pass
 @pytest.mark.parametrize("fuse", [False, True], ids=["backend-query", "fused-query"])
 @pytest.mark.parametrize("name", [n for n in backend_names() if n != "reference"])
 @pytest.mark.parametrize("fmt,heads,kv_heads,dim", HEAD_COUNTS, ids=[f"{f}-{h}x{k}-d{d}" for f, h, k, d in HEAD_COUNTS])
-def test_head_counts(name, fuse, fmt, heads, kv_heads, dim):
+def test_head_counts(name, fuse, tree, fmt, heads, kv_heads, dim):
     if fmt == "mla":
         cfg = _config("mla", heads, 64)
     else:
@@ -187,7 +188,6 @@ def test_head_counts(name, fuse, fmt, heads, kv_heads, dim):
                               num_kv_heads=kv_heads, kv_format="gqa")  # fmt: skip
     if name not in _serving(cfg, torch.bfloat16):
         pytest.skip(f"{name}: {'; '.join(refusals(_spec(cfg, torch.bfloat16))[name])}")
-    tree = heads % 2 == 0  # half the shapes with a tree mask
     ctx, ql = ([0, 63, 700, 2100], [4, 1, 16, 3]) if heads <= 128 else ([0, 100, 900], [4, 1, 8])
     step, x, attn, plan = _run(name, cfg, torch.bfloat16, ctx, ql, tree=tree, seed=heads, fuse=fuse)
     out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
