@@ -154,3 +154,32 @@ def test_layout_takes_numpy_ints_as_python_ints():
     np = pytest.importorskip("numpy")
     layout = DCPLayout(np.int64(4), np.int32(1), np.int64(16))
     assert layout == DCPLayout(4, 1, 16) and all(type(v) is int for v in vars(layout).values())
+
+
+def _vllm_dcp_slots(pos, req, table, block_size, n, rank, il):
+    """vLLM's DCP slot mapping as its docs and code describe it (block_table.py): one block table shared by
+    the ranks, whose blocks are virtual blocks of block_size * N positions, block_size a multiple of I."""
+    v = pos % (block_size * n)
+    offset = (v // (n * il)) * il + v % il
+    slots = table.long()[req, pos // (block_size * n)] * block_size + offset
+    return torch.where((v // il) % n == rank, slots, torch.full_like(slots, -1))
+
+
+@pytest.mark.parametrize("n_ranks,il,block_size", [(1, 1, 16), (2, 1, 4), (3, 2, 4), (4, 4, 8), (2, 16, 64)])
+def test_layout_is_vllms_dcp_layout(n_ranks, il, block_size):
+    """vLLM's cp_kv_cache_interleave_size is I: its shared block table (width cdiv(L, block_size * N)) is a
+    valid block_table on every rank, its slots are kv_slots', its local lengths local_len's."""
+    g = torch.Generator().manual_seed(n_ranks * 100 + il)
+    lengths = [0, 1, il * n_ranks - 1, block_size * n_ranks + 3, 5 * block_size * n_ranks]
+    width = max(-(-L // (block_size * n_ranks)) for L in lengths)
+    table = torch.randperm(len(lengths) * width, generator=g).view(len(lengths), width).int()
+    pos = torch.cat([torch.arange(L) for L in lengths])
+    req = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    for r in range(n_ranks):
+        layout = DCPLayout(n_ranks, r, il)
+        want = _vllm_dcp_slots(pos, req, table, block_size, n_ranks, r, il)
+        assert torch.equal(kv_slots(pos, req, table, block_size, layout), want)
+        for L in range(2 * block_size * n_ranks + 1):
+            base = L // il // n_ranks * il  # vLLM's get_dcp_local_seq_lens
+            assert local_len(L, n_ranks, il, r) == base + min(max(L - base * n_ranks - r * il, 0), il)
+            assert local_pages(L, n_ranks, il, 0, block_size) == -(-L // (block_size * n_ranks))
