@@ -51,7 +51,7 @@ def build_shard(
         raise ValueError(f"expected generator to be a CPU torch.Generator or None, got {generator!r}")
     if fill is not None and (isinstance(fill, bool) or not isinstance(fill, numbers.Real)):
         raise ValueError(f"expected fill to be a real number or None, got {fill!r}")
-    _int_arg("extra_pages", extra_pages, 0)
+    extra_pages = _int_arg("extra_pages", extra_pages, 0)
     n, r, i = layout.world_size, layout.rank, layout.interleave
     pages = [local_pages(s, n, i, r, page_size) for s in sl]
     # Every rank's table is as wide as rank 0 needs (the most), as plan_step asks.

@@ -34,6 +34,14 @@ def _int_arg(name: str, v: Any, low: int) -> int:
     return int(v)
 
 
+def _layout_ints(world_size: Any, rank: Any, interleave: Any) -> tuple[int, int, int]:
+    """(N, r, I) as Python ints, or a ValueError naming the bad one (N, I >= 1, 0 <= r < N)."""
+    n, r, i = _int_arg("world_size", world_size, 1), _int_arg("rank", rank, 0), _int_arg("interleave", interleave, 1)
+    if r >= n:
+        raise ValueError(f"expected 0 <= rank < world_size = {n}, got rank={r!r}")
+    return n, r, i
+
+
 @dataclass(frozen=True)
 class DCPLayout:
     """How positions are spread over a DCP group.
@@ -48,10 +56,9 @@ class DCPLayout:
     interleave: int = 1
 
     def __post_init__(self) -> None:
-        for name, low in (("world_size", 1), ("rank", 0), ("interleave", 1)):
-            object.__setattr__(self, name, _int_arg(name, getattr(self, name), low))
-        if self.rank >= self.world_size:
-            raise ValueError(f"expected 0 <= rank < world_size = {self.world_size}, got rank={self.rank!r}")
+        n, r, i = _layout_ints(self.world_size, self.rank, self.interleave)
+        for name, v in (("world_size", n), ("rank", r), ("interleave", i)):
+            object.__setattr__(self, name, v)
 
 
 def _int_tensor(name: str, x: Any, dim: int) -> torch.Tensor:
@@ -74,7 +81,7 @@ def _check_page_size(page_size: Any, layout: DCPLayout) -> None:
 
 def _check_args(name: str, x: Any, world_size: Any, interleave: Any, rank: Any = 0) -> None:
     """Raise unless N, I >= 1, 0 <= rank < N, and ``x`` (named ``name``) is an int >= 0 or an integer tensor."""
-    DCPLayout(world_size, rank, interleave)  # its checks, naming the argument
+    _layout_ints(world_size, rank, interleave)  # DCPLayout's checks, without building one (plan() calls this often)
     if isinstance(x, torch.Tensor):
         if x.dtype.is_floating_point or x.is_complex() or x.dtype == torch.bool:
             raise ValueError(f"expected {name} to be an int or an integer tensor, got a {x.dtype} tensor")

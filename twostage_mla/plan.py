@@ -232,7 +232,8 @@ def plan_step(
     # Width is checked against rank 0's need (the largest of any rank), so a
     # table too narrow for some rank is refused on every rank alike: no rank
     # goes on into a collective that another rank will never reach.
-    need = [local_pages(s, n, il, 0, page_size) for s in sl]
+    sl_c = torch.tensor(sl, dtype=torch.int64)  # one elementwise call per formula, not one per request
+    need = local_pages(sl_c, n, il, 0, page_size).tolist()
     if b and max(need) > bt.shape[1]:
         i = need.index(max(need))
         raise ValueError(
@@ -241,7 +242,7 @@ def plan_step(
             f"{local_len(sl[i], n, il, 0)} tokens on rank 0, the most of any rank, at page_size {page_size}); "
             "pad the entries this rank does not use with -1"
         )
-    mine = [local_pages(s, n, il, r, page_size) for s in sl]
+    mine = local_pages(sl_c, n, il, r, page_size).tolist()
     used = torch.arange(bt.shape[1], device=bt.device)[None, :] < torch.tensor(mine, device=bt.device)[:, None]
     if bool((bt < 0).logical_and(used).any()):
         b_bad = int((bt < 0).logical_and(used).any(dim=1).nonzero()[0])
@@ -254,7 +255,7 @@ def plan_step(
 
     t = qsl[-1]
     ctx = [s - q for s, q in zip(sl, q_lens)]
-    local_ctx = [local_len(c, n, il, r) for c in ctx]
+    local_ctx = local_len(torch.tensor(ctx, dtype=torch.int64), n, il, r).tolist()
     q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
     token_request = torch.repeat_interleave(torch.arange(b), q_lens_t)
     token_offset = torch.arange(t) - torch.tensor(qsl[:-1], dtype=torch.int64)[token_request]
