@@ -18,9 +18,11 @@
 #                                           # second GPU meanwhile), twostage-mla check
 #   bash benchmarks/gpu_verify.sh bench     # one GPU: the whole bench grid alone (fused default and unfused)
 #   bash benchmarks/gpu_verify.sh layer     # what a change outside the kernels needs, then `main`: the
-#                                           # one-GPU test file but its head counts, twostage-mla check
-#   bash benchmarks/gpu_verify.sh heads     # one GPU: the layer at MLA head counts 1 - 1024, GQA head dims 64,
-#                                           # 128, 256, every backend (a call of its own: FlashInfer builds)
+#                                           # one-GPU test file but its head counts (128 heads kept),
+#                                           # twostage-mla check
+#   bash benchmarks/gpu_verify.sh heads [chain|tree]  # one GPU: the layer at MLA head counts 1 - 1024, GQA head
+#                                           # dims 64, 128, 256, every backend but the reference, chain or tree
+#                                           # steps (a call each: FlashInfer builds)
 #   bash benchmarks/gpu_verify.sh main      # two GPUs (one where there is one): the README's demo over NCCL (both
 #                                           # combines, I = 16), the torchrun example
 #   bash benchmarks/gpu_verify.sh model     # DeepSeek-V3 real dims over NCCL, float32, a chain and a tree
@@ -111,7 +113,7 @@ elif [ "$part" = tests ]; then
   fi
   stamp "the whole one-GPU test file (log: gpu_tests.log)"
   CUDA_VISIBLE_DEVICES=0 timeout 270 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" \
-    tests/test_backends_gpu.py -k "not head_counts" --timeout 200 > "$OUT/gpu_tests.log" 2>&1
+    tests/test_backends_gpu.py -k "(not head_counts or (mla-128x1 and chain))" --timeout 200 > "$OUT/gpu_tests.log" 2>&1
   grep -v "^SKIPPED" "$OUT/gpu_tests.log" | tail -8
   if [ "$ngpu" -ge 2 ]; then
     wait "$probe"
@@ -139,7 +141,7 @@ elif [ "$part" = kernel ]; then
     --backends flashinfer --unfused --methods twostage,onepass,expand,floor --out "$OUT/bench_fused.json" 2>&1 | tail -40
   stamp "layer tests against the oracle with the fused kernel (MLA, flashinfer and reference; graphs, NaN, empty)"
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-    -k "((fused-query and mla and (flashinfer or reference)) or graph or nan or empty) and not head_counts" --timeout 100 2>&1 \
+    -k "((fused-query and mla and (flashinfer or reference)) or graph or nan or empty) and (not head_counts or (mla-128x1 and chain))" --timeout 100 2>&1 \
     | grep -v "^SKIPPED" | tail -8
   if [ "$ngpu" -ge 2 ]; then
     stamp "two-GPU NCCL test (the fused kernel after a2a and ag_rs)"
@@ -182,19 +184,21 @@ elif [ "$part" = layer ]; then
   # `main` is a call of its own after this one.
   jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
   jit_wait
-  stamp "the one-GPU test file but the head counts, which are \`heads\` (log: gpu_tests.log), check meanwhile"
+  stamp "the one-GPU test file but the head counts other than 128, which are \`heads\` (log: gpu_tests.log), check meanwhile"
   check_start 300
   timeout 380 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" \
-    tests/test_backends_gpu.py -k "not head_counts" --timeout 200 > "$OUT/gpu_tests.log" 2>&1
+    tests/test_backends_gpu.py -k "(not head_counts or (mla-128x1 and chain))" --timeout 200 > "$OUT/gpu_tests.log" 2>&1
   grep -v "^SKIPPED" "$OUT/gpu_tests.log" | grep -v "^  \|^$" | tail -30
   check_report
 elif [ "$part" = heads ]; then
   # Besides these four builds, FlashInfer builds a module on the first call of some head counts
-  # (GQA 1 x 1, 4 x 4, 16 x 1, MLA 1 head: 20 - 70 s each, session 18): half the test took ~250 s.
+  # (GQA 1 x 1, 4 x 4, 16 x 1, MLA 1 head: 20 - 70 s each, session 18): the tree half took ~250 s,
+  # so one half a call: `heads chain` (the default), then `heads tree`.
+  half=${2:-chain}
   jit "mla bfloat16" "gqa bfloat16" "gqa bfloat16 --head-dim 64" "gqa bfloat16 --head-dim 256"
   jit_wait
-  stamp "the layer at MLA head counts 1 - 1024, GQA head dims 64 - 256 (log: head_counts.log)"
-  timeout 420 python3 -m pytest -v -rs -p no:cacheprovider tests/test_backends_gpu.py -k head_counts \
+  stamp "the layer at MLA head counts 1 - 1024, GQA head dims 64 - 256, $half steps (log: head_counts.log)"
+  timeout 400 python3 -m pytest -v -rs -p no:cacheprovider tests/test_backends_gpu.py -k "head_counts and $half" \
     --timeout 200 --durations=10 > "$OUT/head_counts.log" 2>&1
   echo "rc=$?"; grep "FAILED\|Error" "$OUT/head_counts.log" | head -20; tail -16 "$OUT/head_counts.log"
 elif [ "$part" = main ]; then
@@ -242,7 +246,7 @@ elif [ "$part" = final ]; then
     two=$!
   fi
   timeout 250 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-    -k "mla-128x1 or ((nan or (fused-query and (mla or float16))) and not head_counts)" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
+    -k "(mla-128x1 and chain) or ((nan or (fused-query and (mla or float16))) and not head_counts)" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
   if [ "$ngpu" -ge 2 ]; then
     wait "$two"
     grep "rank .: \|passed\|failed\|Error\|assert" "$OUT/two_gpus.log" | tail -14
@@ -260,7 +264,7 @@ elif [ "$part" = correct ]; then
     > "$OUT/two_gpus.log" 2>&1 &
   two=$!
   timeout 280 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-    -k "not head_counts" --timeout 200 2>&1 | grep -v "^SKIPPED" | tail -25
+    -k "(not head_counts or (mla-128x1 and chain))" --timeout 200 2>&1 | grep -v "^SKIPPED" | tail -25
   stamp "Triton kernel tests on CUDA"
   kernel_tests
   wait "$two"
@@ -288,7 +292,7 @@ else
   stamp "fused kernel on CUDA: kernel tests, layer tests against the oracle"
   kernel_tests
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-    -k "fused-query and (flashinfer or reference) and not head_counts" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
+    -k "fused-query and (flashinfer or reference) and (not head_counts or (mla-128x1 and chain))" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
   stamp "bench: B=32, the default (fused query pass) vs FlashInfer query pass + merge"
   timeout 200 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K --q-len 4,8 --heads 16,128 \
     --backends flashinfer --unfused --methods twostage,onepass,expand,floor --out "$OUT/bench_fused.json" 2>&1 | tail -40

@@ -19,8 +19,11 @@ from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention, syntheti
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 p.add_argument("format", choices=("mla", "gqa"), help="the KV layout whose kernels to build")
 p.add_argument("dtype", choices=("bfloat16", "float16"), help="the dtype they are built for")
-p.add_argument("--head-dim", type=int, choices=(64, 128, 256), default=128, help="GQA only: the head dim to build")
+p.add_argument("--head-dim", type=int, choices=(64, 128, 256), help="GQA only: the head dim to build (default 128)")
 args = p.parse_args()
+if args.format == "mla" and args.head_dim is not None:
+    p.error("expected no --head-dim with mla (its kernels are built for 512 + 64)")
+args.head_dim = args.head_dim or 128
 require_cuda(p, "builds FlashInfer's CUDA kernels")
 fmt, dtype = args.format, getattr(torch, args.dtype)
 t0 = time.time()

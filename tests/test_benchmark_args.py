@@ -43,6 +43,8 @@ def test_jit_warm_names_its_choices():
     run = [sys.executable, os.path.join(BENCH, "jit_warm.py")]
     r = subprocess.run([*run, "mla", "bf16"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "argument dtype: invalid choice: 'bf16'" in r.stderr
+    r = subprocess.run([*run, "mla", "bfloat16", "--head-dim", "64"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "expected no --head-dim with mla" in r.stderr
     if not torch.cuda.is_available():
         r = subprocess.run([*run, "gqa", "float16"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "expected a CUDA GPU (this script builds FlashInfer's CUDA kernels)" in r.stderr

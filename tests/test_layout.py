@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from twostage_mla.layout import DCPLayout, kv_slots, local_index, local_len, local_pages, owner
+from twostage_mla.plan import plan_step
 
 
 def brute(n_ranks: int, il: int, length: int):
@@ -167,19 +168,29 @@ def _vllm_dcp_slots(pos, req, table, block_size, n, rank, il):
 
 @pytest.mark.parametrize("n_ranks,il,block_size", [(1, 1, 16), (2, 1, 4), (3, 2, 4), (4, 4, 8), (2, 16, 64)])
 def test_layout_is_vllms_dcp_layout(n_ranks, il, block_size):
-    """vLLM's cp_kv_cache_interleave_size is I: its shared block table (width cdiv(L, block_size * N)) is a
-    valid block_table on every rank, its slots are kv_slots', its local lengths local_len's."""
+    """vLLM's cp_kv_cache_interleave_size is I: its shared block table (width cdiv(max_model_len, block_size * N),
+    zero-padded) is a valid block_table for plan_step on every rank, its slot mapping is kv_slots' and
+    plan.new_token_slots()', its local lengths local_len's."""
     g = torch.Generator().manual_seed(n_ranks * 100 + il)
     lengths = [0, 1, il * n_ranks - 1, block_size * n_ranks + 3, 5 * block_size * n_ranks]
+    q_lens = torch.tensor([0, 1, min(3, il * n_ranks - 1), 4, 2])  # the step's new tokens end each request
     width = max(-(-L // (block_size * n_ranks)) for L in lengths)
     table = torch.randperm(len(lengths) * width, generator=g).view(len(lengths), width).int()
+    padded = torch.cat([table, torch.zeros(len(lengths), 2, dtype=torch.int32)], dim=1)  # max_model_len beyond
     pos = torch.cat([torch.arange(L) for L in lengths])
     req = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).int()
+    new = torch.cat([torch.arange(L - q, L) for L, q in zip(lengths, q_lens.tolist())])  # their positions
+    new_req = torch.repeat_interleave(torch.arange(len(lengths)), q_lens)
+    for L in range(2 * block_size * n_ranks + 1):
+        assert local_pages(L, n_ranks, il, 0, block_size) == -(-L // (block_size * n_ranks))  # rank 0's need
     for r in range(n_ranks):
         layout = DCPLayout(n_ranks, r, il)
-        want = _vllm_dcp_slots(pos, req, table, block_size, n_ranks, r, il)
-        assert torch.equal(kv_slots(pos, req, table, block_size, layout), want)
+        assert torch.equal(kv_slots(pos, req, table, block_size, layout),
+                           _vllm_dcp_slots(pos, req, table, block_size, n_ranks, r, il))  # fmt: skip
+        plan = plan_step(qsl, seq_lens, padded, page_size=block_size, layout=layout)
+        assert torch.equal(plan.new_token_slots(), _vllm_dcp_slots(new, new_req, padded, block_size, n_ranks, r, il))
         for L in range(2 * block_size * n_ranks + 1):
             base = L // il // n_ranks * il  # vLLM's get_dcp_local_seq_lens
             assert local_len(L, n_ranks, il, r) == base + min(max(L - base * n_ranks - r * il, 0), il)
-            assert local_pages(L, n_ranks, il, 0, block_size) == -(-L // (block_size * n_ranks))
