@@ -20,9 +20,9 @@
 #   bash benchmarks/gpu_verify.sh layer     # what a change outside the kernels needs, then `main`: the
 #                                           # one-GPU test file but its head counts (128 heads kept),
 #                                           # twostage-mla check
-#   bash benchmarks/gpu_verify.sh heads [chain|tree]  # one GPU: the layer at MLA head counts 1 - 1024, GQA head
-#                                           # dims 64, 128, 256, every backend but the reference, chain or tree
-#                                           # steps (a call each: FlashInfer builds)
+#   bash benchmarks/gpu_verify.sh heads [chain|tree|EXPR]  # one GPU: the layer at MLA head counts 1 - 1024, GQA
+#                                           # head dims 64 - 256, every backend but the reference, chain or tree
+#                                           # steps, or any pytest -k EXPR (a call each: FlashInfer builds)
 #   bash benchmarks/gpu_verify.sh main      # two GPUs (one where there is one): the README's demo over NCCL (both
 #                                           # combines, I = 16), the torchrun example
 #   bash benchmarks/gpu_verify.sh model     # DeepSeek-V3 real dims over NCCL, float32, a chain and a tree
@@ -193,12 +193,14 @@ elif [ "$part" = layer ]; then
 elif [ "$part" = heads ]; then
   # Besides these four builds, FlashInfer builds a module on the first call of some head counts
   # (GQA 1 x 1, 4 x 4, 16 x 1, MLA 1 head: 20 - 70 s each, session 18): the tree half took ~250 s,
-  # so one half a call: `heads chain` (the default), then `heads tree`.
+  # so one half a call: `heads chain` (the default), then `heads tree`. The chain half may build more
+  # (each backend's own query pass at new head counts): where it runs out of time, split it further,
+  # e.g. `heads "chain and mla"`, then `heads "chain and gqa"`.
   half=${2:-chain}
   jit "mla bfloat16" "gqa bfloat16" "gqa bfloat16 --head-dim 64" "gqa bfloat16 --head-dim 256"
   jit_wait
   stamp "the layer at MLA head counts 1 - 1024, GQA head dims 64 - 256, $half steps (log: head_counts.log)"
-  timeout 400 python3 -m pytest -v -rs -p no:cacheprovider tests/test_backends_gpu.py -k "head_counts and $half" \
+  timeout 400 python3 -m pytest -v -rs -p no:cacheprovider tests/test_backends_gpu.py -k "head_counts and ($half)" \
     --timeout 200 --durations=10 > "$OUT/head_counts.log" 2>&1
   echo "rc=$?"; grep "FAILED\|Error" "$OUT/head_counts.log" | head -20; tail -16 "$OUT/head_counts.log"
 elif [ "$part" = main ]; then
