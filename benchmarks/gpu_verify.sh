@@ -44,6 +44,9 @@ exec > >(tee -a "$OUT/$part.log") 2>&1
 t0=$(date +%s)
 ngpu=$(nvidia-smi -L | wc -l)
 stamp() { echo "=== [$(( $(date +%s) - t0 )) s] $*"; }
+# Every part but `heads` leaves test_head_counts to it, but for the 128-head chain cases (what the test it
+# replaced ran everywhere).
+keep128="(not head_counts or (mla-128x1 and chain))"
 
 stamp install
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -113,7 +116,7 @@ elif [ "$part" = tests ]; then
   fi
   stamp "the whole one-GPU test file (log: gpu_tests.log)"
   CUDA_VISIBLE_DEVICES=0 timeout 270 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" \
-    tests/test_backends_gpu.py -k "(not head_counts or (mla-128x1 and chain))" --timeout 200 > "$OUT/gpu_tests.log" 2>&1
+    tests/test_backends_gpu.py -k "$keep128" --timeout 200 > "$OUT/gpu_tests.log" 2>&1
   grep -v "^SKIPPED" "$OUT/gpu_tests.log" | tail -8
   if [ "$ngpu" -ge 2 ]; then
     wait "$probe"
@@ -141,7 +144,7 @@ elif [ "$part" = kernel ]; then
     --backends flashinfer --unfused --methods twostage,onepass,expand,floor --out "$OUT/bench_fused.json" 2>&1 | tail -40
   stamp "layer tests against the oracle with the fused kernel (MLA, flashinfer and reference; graphs, NaN, empty)"
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-    -k "((fused-query and mla and (flashinfer or reference)) or graph or nan or empty) and (not head_counts or (mla-128x1 and chain))" --timeout 100 2>&1 \
+    -k "((fused-query and mla and (flashinfer or reference)) or graph or nan or empty) and $keep128" --timeout 100 2>&1 \
     | grep -v "^SKIPPED" | tail -8
   if [ "$ngpu" -ge 2 ]; then
     stamp "two-GPU NCCL test (the fused kernel after a2a and ag_rs)"
@@ -187,7 +190,7 @@ elif [ "$part" = layer ]; then
   stamp "the one-GPU test file but the head counts other than 128, which are \`heads\` (log: gpu_tests.log), check meanwhile"
   check_start 300
   timeout 380 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" \
-    tests/test_backends_gpu.py -k "(not head_counts or (mla-128x1 and chain))" --timeout 200 > "$OUT/gpu_tests.log" 2>&1
+    tests/test_backends_gpu.py -k "$keep128" --timeout 200 > "$OUT/gpu_tests.log" 2>&1
   grep -v "^SKIPPED" "$OUT/gpu_tests.log" | grep -v "^  \|^$" | tail -30
   check_report
 elif [ "$part" = heads ]; then
@@ -248,7 +251,7 @@ elif [ "$part" = final ]; then
     two=$!
   fi
   timeout 250 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-    -k "(mla-128x1 and chain) or ((nan or (fused-query and (mla or float16))) and not head_counts)" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
+    -k "(nan or (fused-query and (mla or float16)) or mla-128x1) and $keep128" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
   if [ "$ngpu" -ge 2 ]; then
     wait "$two"
     grep "rank .: \|passed\|failed\|Error\|assert" "$OUT/two_gpus.log" | tail -14
@@ -266,7 +269,7 @@ elif [ "$part" = correct ]; then
     > "$OUT/two_gpus.log" 2>&1 &
   two=$!
   timeout 280 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-    -k "(not head_counts or (mla-128x1 and chain))" --timeout 200 2>&1 | grep -v "^SKIPPED" | tail -25
+    -k "$keep128" --timeout 200 2>&1 | grep -v "^SKIPPED" | tail -25
   stamp "Triton kernel tests on CUDA"
   kernel_tests
   wait "$two"
@@ -294,7 +297,7 @@ else
   stamp "fused kernel on CUDA: kernel tests, layer tests against the oracle"
   kernel_tests
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-    -k "fused-query and (flashinfer or reference) and (not head_counts or (mla-128x1 and chain))" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
+    -k "fused-query and (flashinfer or reference) and $keep128" --timeout 100 2>&1 | grep -v "^SKIPPED" | tail -8
   stamp "bench: B=32, the default (fused query pass) vs FlashInfer query pass + merge"
   timeout 200 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K --q-len 4,8 --heads 16,128 \
     --backends flashinfer --unfused --methods twostage,onepass,expand,floor --out "$OUT/bench_fused.json" 2>&1 | tail -40

@@ -38,16 +38,17 @@ LSE_TOL = 2e-3  # inputs are exact in the dtype, lse is float32: only accumulati
 MLA = dict(kv_lora_rank=512, rope_dim=64)
 
 
-def _config(fmt: str, heads: int, page_size: int) -> AttentionConfig:
+def _config(fmt: str, heads: int, page_size: int, kv_heads: int = 2, head_dim: int = 128) -> AttentionConfig:
+    """MLA 576/512 (kv_heads and head_dim unused), or GQA of heads over kv_heads at head_dim."""
     if fmt == "mla":
         return AttentionConfig.mla(num_heads=heads, page_size=page_size, scale=(128 + 64) ** -0.5, **MLA)
     return AttentionConfig(
         num_heads=heads,
-        head_dim=128,
-        head_dim_v=128,
+        head_dim=head_dim,
+        head_dim_v=head_dim,
         page_size=page_size,
-        scale=128**-0.5,
-        num_kv_heads=2,
+        scale=head_dim**-0.5,
+        num_kv_heads=kv_heads,
         kv_format="gqa",
     )
 
@@ -181,11 +182,7 @@ HEAD_COUNTS = [("mla", h, 1, 576) for h in (1, 2, 4, 8, 10, 20, 32, 64, 128, 256
 @pytest.mark.parametrize("name", [n for n in backend_names() if n != "reference"])
 @pytest.mark.parametrize("fmt,heads,kv_heads,dim", HEAD_COUNTS, ids=[f"{f}-{h}x{k}-d{d}" for f, h, k, d in HEAD_COUNTS])
 def test_head_counts(name, fuse, tree, fmt, heads, kv_heads, dim):
-    if fmt == "mla":
-        cfg = _config("mla", heads, 64)
-    else:
-        cfg = AttentionConfig(num_heads=heads, head_dim=dim, head_dim_v=dim, page_size=64, scale=dim**-0.5,
-                              num_kv_heads=kv_heads, kv_format="gqa")  # fmt: skip
+    cfg = _config(fmt, heads, 64, kv_heads, dim)
     if name not in _serving(cfg, torch.bfloat16):
         pytest.skip(f"{name}: {'; '.join(refusals(_spec(cfg, torch.bfloat16))[name])}")
     ctx, ql = ([0, 63, 700, 2100], [4, 1, 16, 3]) if heads <= 128 else ([0, 100, 900], [4, 1, 8])

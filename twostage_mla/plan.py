@@ -242,12 +242,12 @@ def plan_step(
             f"{local_len(sl[i], n, il, 0)} tokens on rank 0, the most of any rank, at page_size {page_size}); "
             "pad the entries this rank does not use with -1"
         )
-    mine = local_pages(sl_c, n, il, r, page_size).tolist()
-    used = torch.arange(bt.shape[1], device=bt.device)[None, :] < torch.tensor(mine, device=bt.device)[:, None]
+    mine = local_pages(sl_c, n, il, r, page_size).to(bt.device)
+    used = torch.arange(bt.shape[1], device=bt.device)[None, :] < mine[:, None]
     if bool((bt < 0).logical_and(used).any()):
         b_bad = int((bt < 0).logical_and(used).any(dim=1).nonzero()[0])
         raise ValueError(
-            f"expected page ids >= 0 in the first {mine[b_bad]} entries of block_table[{b_bad}], "
+            f"expected page ids >= 0 in the first {int(mine[b_bad])} entries of block_table[{b_bad}], "
             f"got {bt[b_bad, : mine[b_bad]].tolist()}"
         )
 
