@@ -6,7 +6,13 @@ MLA:
                  views and the one cache tensor (P, page, 1, D) into ckv =
                  cache[..., :Dv] / kpe = cache[..., Dv:] views (no copies).
   query pass     the same wrapper, causal, over the step's fresh K/V seen as
-                 a cache of pages of one token (kv_indices = 0..T-1).
+                 a cache of pages of one token (kv_indices = 0..T-1), at
+                 head counts that are powers of two up to 128; the dense
+                 query pass at others. FlashInfer 0.5.3's sm90 kernel bounds
+                 a tile of rows' keys by floor((start + tile) / heads), one
+                 key short of the tile's last query where heads does not
+                 divide the tile (64 or 128 rows): on an H200 its causal
+                 output was wrong (rel err 1.0) at 256 and 1024 heads.
 GQA:
   context pass   BatchPrefillWithPagedKVCacheWrapper (NHD), non-causal.
   query pass     BatchPrefillWithRaggedKVCacheWrapper, causal.
@@ -35,6 +41,7 @@ from typing import Any
 
 import torch
 
+from twostage_mla.backends._dense import dense_query
 from twostage_mla.backends._paged import (
     LN2,
     empty_context_rows,
@@ -116,6 +123,9 @@ class FlashInferBackend(AttentionBackend):
         super().__init__(spec, limits)
         self._mla = spec.kv_format == "mla"
         self._ctx_heads = spec.num_heads * spec.world_size
+        # FlashInfer's causal MLA kernel is exact where the head count divides its row tiles (see above).
+        h = spec.num_heads
+        self._causal_kernel = not self._mla or (h <= 128 and h & (h - 1) == 0)
         self._workspace: torch.Tensor | None = None
         # Capture mode: one set per batch size, for GQA per (B, T): FlashInfer's prefill wrappers
         # in CUDA-graph mode fix their row count at the first plan (MLA's do not).
@@ -191,7 +201,7 @@ class FlashInferBackend(AttentionBackend):
         # must serve later steps, so under capture limits the kernel runs (and its rows are masked).
         context = self.limits.given or plan.max_local_context_len > 0
         # Tree masks take the base class's dense query pass: no query kernel to plan then.
-        plan_query = plan.query_mask is None and self.query_pass
+        plan_query = plan.query_mask is None and self.query_pass and self._causal_kernel
         if self._mla:
             dv, dr = s.head_dim_v, s.head_dim - s.head_dim_v
             if context:
@@ -262,6 +272,8 @@ class FlashInferBackend(AttentionBackend):
         Graph-capturable (no host sync).
         """
         st, dv = self._state(plan), self.spec.head_dim_v
+        if not self._causal_kernel:
+            return dense_query(q, k, v, plan, self.spec.scale)
         t, h = q.shape[0], q.shape[1]
         o = q.new_empty((t, h, dv))
         lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
