@@ -28,19 +28,22 @@ def attend(
     qv: torch.Tensor | None = None,
     kv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (M, H, D), k (N, Hk, D), v (N, Hk, Dv), mask (M, N) -> o (M, H, Dv), lse (M, H) float64, natural log.
+    """q (M, H, D), k (N, Hk, D), v (N, Hk, Dv), mask (M, N) or (H, M, N) -> o (M, H, Dv), lse (M, H) float64.
+
+    lse in natural log.
 
     qv/kv: an extra score term qv . kv (FA3's qv form, FlashInfer's q_nope . ckv).
     Rows with no visible key: o = 0, lse = -inf.
     """
     h, hk = q.shape[1], k.shape[1]
     g = h // hk
+    mask = mask if mask.dim() == 3 else mask[None]  # (M, N) for every head, or (H, M, N)
     kk = k.double().repeat_interleave(g, dim=1)
     vv = v.double().repeat_interleave(g, dim=1)
     s = torch.einsum("mhd,nhd->hmn", q.double(), kk)
     if qv is not None:
         s = s + torch.einsum("mhd,nhd->hmn", qv.double(), kv.double().repeat_interleave(g, dim=1))
-    s = (s * scale).masked_fill(~mask[None], float("-inf"))
+    s = (s * scale).masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # (H, M)
     p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
     o = torch.einsum("hmn,nhd->mhd", p, vv)
@@ -172,6 +175,20 @@ def flash_attention_forward(
 # -- FlashInfer ------------------------------------------------------------------
 
 
+def fa3_mla_causal_mask(m: int, n: int, h: int, tile: int) -> torch.Tensor:
+    """The keys FlashInfer 0.5.3's sm90 causal MLA kernel lets each (head, query) row see: (h, m, n) bool.
+
+    Measured on an H200 (benchmarks/fi_mla_causal_probe.py): a tile of ``tile`` packed rows (query x
+    head; 128 where the batch averages over 64 per request, else 64) reads key tiles of 64 up to
+    floor((start + tile) / h) past the context, not the ceiling: where h does not divide start + tile
+    and that bound opens a new key tile, the tile's last query loses its own key.
+    """
+    row = torch.arange(m * h).reshape(m, h)
+    bound = torch.clamp(n - m + (row // tile * tile + tile) // h, max=n)
+    read = torch.arange(n)[None, None, :] < ((bound + 63) // 64 * 64)[..., None]  # (m, h, n)
+    return (_bottom_right(m, n, True)[:, None, :] & read).permute(1, 0, 2)
+
+
 class _MLAWrapper:
     """flashinfer.mla.BatchMLAPagedAttentionWrapper: plan stores metadata, run reads it."""
 
@@ -238,14 +255,14 @@ class _MLAWrapper:
         assert ckv_cache.dim() == 3 and kpe_cache.dim() == 3 and ckv_cache.shape[1] == ps
         assert out is not None and out.shape == q_nope.shape and lse is not None and lse.shape == q_nope.shape[:2]
         qo, kp, ki, kl = (b.tolist() for b in self._bufs)
+        tile = 128 if qo[-1] * h // (len(qo) - 1) > 64 else 64
         for r in range(len(qo) - 1):
             m, n = qo[r + 1] - qo[r], kl[r]
             pages = ki[kp[r] : kp[r + 1]]
             kb = _paged(kpe_cache, pages, n)[:, None]
             cb = _paged(ckv_cache, pages, n)[:, None]
-            ob, lb = attend(
-                q_pe[qo[r] : qo[r + 1]], kb, cb, _bottom_right(m, n, causal), scale, qv=q_nope[qo[r] : qo[r + 1]], kv=cb
-            )
+            mask = fa3_mla_causal_mask(m, n, h, tile) if causal else _bottom_right(m, n, False)
+            ob, lb = attend(q_pe[qo[r] : qo[r + 1]], kb, cb, mask, scale, qv=q_nope[qo[r] : qo[r + 1]], kv=cb)
             out[qo[r] : qo[r + 1]] = ob.to(out.dtype)
             # No keys: the fa3 kernel leaves m at its finite "-inf" (-5e4, log2), seen on an H200.
             lb = torch.where(torch.isneginf(lb), -5e4 / LOG2E, lb)
