@@ -7,12 +7,15 @@ MLA:
                  cache[..., :Dv] / kpe = cache[..., Dv:] views (no copies).
   query pass     the same wrapper, causal, over the step's fresh K/V seen as
                  a cache of pages of one token (kv_indices = 0..T-1), at
-                 head counts that are powers of two up to 128; the dense
-                 query pass at others. FlashInfer 0.5.3's sm90 kernel bounds
-                 a tile of rows' keys by floor((start + tile) / heads), one
-                 key short of the tile's last query where heads does not
-                 divide the tile (64 or 128 rows): on an H200 its causal
-                 output was wrong (rel err 1.0) at 256 and 1024 heads.
+                 up to 64 heads or 128; the dense query pass at others.
+                 FlashInfer 0.5.3's sm90 kernel bounds a tile of packed
+                 rows' keys by floor((start + tile) / heads), one key short
+                 of the tile's last query where heads does not divide
+                 start + tile (tiles of 64 or 128 rows); where that key opens
+                 a tile of 64 keys it is lost. With no context (this pass)
+                 that happens only past 64 heads, 128 excepted: on an H200
+                 the output was wrong (rel err 1.0) at 256 and 1024 heads.
+                 docs/backends.md has the measurements.
 GQA:
   context pass   BatchPrefillWithPagedKVCacheWrapper (NHD), non-causal.
   query pass     BatchPrefillWithRaggedKVCacheWrapper, causal.
@@ -123,9 +126,8 @@ class FlashInferBackend(AttentionBackend):
         super().__init__(spec, limits)
         self._mla = spec.kv_format == "mla"
         self._ctx_heads = spec.num_heads * spec.world_size
-        # FlashInfer's causal MLA kernel is exact where the head count divides its row tiles (see above).
-        h = spec.num_heads
-        self._causal_kernel = not self._mla or (h <= 128 and h & (h - 1) == 0)
+        # FlashInfer's causal MLA kernel keeps every query's own key, with no context, at these counts (see above).
+        self._causal_kernel = not self._mla or spec.num_heads <= 64 or spec.num_heads == 128
         self._workspace: torch.Tensor | None = None
         # Capture mode: one set per batch size, for GQA per (B, T): FlashInfer's prefill wrappers
         # in CUDA-graph mode fix their row count at the first plan (MLA's do not).
