@@ -20,9 +20,10 @@
 #   bash benchmarks/gpu_verify.sh layer     # what a change outside the kernels needs, then `main`: the
 #                                           # one-GPU test file but its head counts (128 heads kept),
 #                                           # twostage-mla check
-#   bash benchmarks/gpu_verify.sh heads [chain|tree|EXPR]  # one GPU: the layer at MLA head counts 1 - 1024, GQA
-#                                           # head dims 64 - 256, every backend but the reference, chain or tree
-#                                           # steps, or any pytest -k EXPR (a call each: FlashInfer builds)
+#   bash benchmarks/gpu_verify.sh heads [mla|gqa|EXPR]  # one GPU: the layer at MLA head counts 1 - 1024, GQA
+#                                           # head dims 64 - 256, every backend but the reference, or any pytest
+#                                           # -k EXPR (a call each: FlashInfer builds); with MLA, where FlashInfer's
+#                                           # causal MLA kernel is exact (benchmarks/fi_mla_causal_probe.py)
 #   bash benchmarks/gpu_verify.sh main      # two GPUs (one where there is one): the README's demo over NCCL (both
 #                                           # combines, I = 16), the torchrun example
 #   bash benchmarks/gpu_verify.sh model     # DeepSeek-V3 real dims over NCCL, float32, a chain and a tree
@@ -194,22 +195,27 @@ elif [ "$part" = layer ]; then
   grep -v "^SKIPPED" "$OUT/gpu_tests.log" | grep -v "^  \|^$" | tail -30
   check_report
 elif [ "$part" = heads ]; then
-  # Besides these four builds, FlashInfer builds a module on the first call of some head counts
-  # (GQA 1 x 1, 4 x 4, 16 x 1, MLA 1 head: 20 - 70 s each, session 18): the tree half took ~250 s,
-  # so one half a call: `heads chain` (the default), then `heads tree`. The chain half may build more
-  # (each backend's own query pass at new head counts): where it runs out of time, split it further,
-  # e.g. `heads "chain and mla"`, then `heads "chain and gqa"`.
-  half=${2:-chain}
-  case "$half" in  # build only what the filter runs: the GQA builds take up to ~220 s
+  # Besides the warm-up builds, FlashInfer builds a module on the first call of some head counts
+  # (GQA 1 x 1, 4 x 4, 16 x 1, MLA 1 head: 20 - 70 s each). Session 19 on a fresh H200: `heads mla`
+  # (chains and trees) 85 s; `heads "chain and gqa"` 385 s, of which 150 s warm-up and three 65 - 73 s
+  # builds of GQA's own query pass. So one format a call: `heads mla`, then `heads gqa` (the GQA trees
+  # add no query-pass build: a tree step's query pass is the dense one).
+  filter=${2:-mla}
+  case "$filter" in  # build only what the filter runs: the GQA builds take up to ~220 s
     *mla*) jit "mla bfloat16" ;;
     *gqa*) jit "gqa bfloat16" "gqa bfloat16 --head-dim 64" "gqa bfloat16 --head-dim 256" ;;
     *) jit "mla bfloat16" "gqa bfloat16" "gqa bfloat16 --head-dim 64" "gqa bfloat16 --head-dim 256" ;;
   esac
   jit_wait
-  stamp "the layer at MLA head counts 1 - 1024, GQA head dims 64 - 256, $half steps (log: head_counts.log)"
-  timeout 400 python3 -m pytest -v -rs -p no:cacheprovider tests/test_backends_gpu.py -k "head_counts and ($half)" \
+  stamp "the layer at MLA head counts 1 - 1024, GQA head dims 64 - 256: $filter (log: head_counts.log)"
+  timeout 400 python3 -m pytest -v -rs -p no:cacheprovider tests/test_backends_gpu.py -k "head_counts and ($filter)" \
     --timeout 200 --durations=10 > "$OUT/head_counts.log" 2>&1
   echo "rc=$?"; grep "FAILED\|Error" "$OUT/head_counts.log" | head -20; tail -16 "$OUT/head_counts.log"
+  case "$filter" in gqa*|*"and gqa"*) ;; *)
+    stamp "where FlashInfer's causal MLA kernel is exact (docs/backends.md; log: fi_mla_causal.log)"
+    timeout 200 python3 benchmarks/fi_mla_causal_probe.py --out "$OUT/fi_mla_causal.json" > "$OUT/fi_mla_causal.log" 2>&1
+    echo "rc=$?"; tail -5 "$OUT/fi_mla_causal.log" | cut -c 1-400 ;;
+  esac
 elif [ "$part" = main ]; then
   jit "mla bfloat16"
   jit_wait
