@@ -70,7 +70,7 @@ print(f"{len(cases)} cases, {len(wrong)} wrong; at heads {sorted({c['heads'] for
 at_ctx0 = sorted({c["heads"] for c in wrong if not c["context"]})
 print(f"wrong with context 0 (the query pass's shape): at heads {at_ctx0}")
 pow2 = [c for c in wrong if c["heads"] <= 128 and c["heads"] & (c["heads"] - 1) == 0]
-print(f"wrong at a power of two <= 128 (the backend's own query pass): {pow2}")
+print(f"wrong at a power of two <= 128: {pow2}")
 off = [c for c in cases if c["wrong"] != c["predicted"]]
 print(f"the rule disagrees with the kernel in {len(off)} cases: {off[:10]}")
 if args.out:
