@@ -194,23 +194,61 @@ def test_flashinfer_stale_plan_and_capture_limits(emulated):
     assert torch.allclose(out.double(), ref_o, atol=1e-5)
 
 
+# (contexts, q_lens): chains and a chunk of 70 tokens; a batch mostly of empty requests (an engine's padding),
+# where FlashInfer picks row tiles of 64 at 128 heads.
+HEAD_COUNT_STEPS = [([0, 40, 3], [16, 70, 5]), ([5, 3, 0], [1, 0, 0])]
+
+
+@pytest.mark.parametrize("steps", [0, 1], ids=["chunk", "empty-requests"])
 @pytest.mark.parametrize("heads", [4, 10, 40, 64, 96, 127, 128, 129, 256])
-def test_flashinfer_mla_query_pass_at_any_head_count(emulated, heads):
-    """FlashInfer's causal MLA kernel drops a query's own key at some head counts (the stand-in does as the
-    H200 did); the layer's query pass must stay exact at every count, chains and a chunk of 70 tokens."""
+def test_flashinfer_mla_query_pass_at_any_head_count(emulated, heads, steps):
+    """FlashInfer's causal MLA kernel drops keys at some head counts (the stand-in drops them as the H200's
+    kernel did); the layer's query pass stays exact at every count."""
     cfg = _config(True, 16, heads=heads)
-    step = synthetic.make_step([0, 40, 3], [16, 70, 5], heads=heads, head_dim=cfg.head_dim,
+    step = synthetic.make_step(*HEAD_COUNT_STEPS[steps], heads=heads, head_dim=cfg.head_dim,
                                head_dim_v=cfg.head_dim_v, mla=True, seed=heads)  # fmt: skip
     x = synthetic.rank_inputs(step, DCPLayout(), 16, mla=True, dtype=torch.float32, device="cpu")
-    attn = _layer("flashinfer", cfg, DCPLayout())
-    out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, attn.plan(x.query_start_loc, x.seq_lens, x.block_table),
-                    return_lse=True)  # fmt: skip
     ref_o, ref_lse = synthetic.oracle(step, cfg.scale)
-    assert torch.allclose(out.double(), ref_o, atol=1e-5, rtol=1e-5)
-    assert torch.allclose(lse.double(), ref_lse, atol=1e-5)
-    # Past 128 heads the kernel itself, on this step's first request alone, would drop keys.
-    dropped = emu.fa3_mla_causal_mask(16, 16, heads, 128) != emu.fa3_mla_causal_mask(16, 16, 1, 64)
-    assert dropped.any() == (heads > 128)
+    exact = []
+    for own_kernel in (None, True):  # the backend's choice, then FlashInfer's kernel forced at every count
+        attn = _layer("flashinfer", cfg, DCPLayout())
+        if own_kernel:
+            attn.backend._kernel_exact = lambda plan: True
+        out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, attn.plan(x.query_start_loc, x.seq_lens, x.block_table),
+                        return_lse=True)  # fmt: skip
+        exact.append(torch.allclose(out.double(), ref_o, atol=1e-5, rtol=1e-5)
+                     and torch.allclose(lse.double(), ref_lse, atol=1e-5))  # fmt: skip
+    assert exact[0]
+    # The kernel alone: exact at the counts that divide 64; on these steps wrong at these others (with
+    # the empty requests, tiles of 64 rows: the first tile of any count over 64 reads no key).
+    assert exact[1] == (heads not in ((127, 129, 256), (96, 127, 128, 129, 256))[steps])
+
+
+def test_flashinfer_refuses_the_dense_query_pass_under_capture_limits(emulated):
+    """The dense pass that stands in for FlashInfer's causal MLA kernel cannot replay across plans: refused by name
+    where it would run, at construction where it always would (256 heads), at plan time where a step needs it
+    (128 heads, a batch mostly of empty requests)."""
+    limits = CaptureLimits(max_batch_size=4, max_tokens=96, max_pages=8)
+    for heads in (64, 128, 256):
+        cfg = _config(True, 16, heads=heads)
+        spec = TwoStageAttention(cfg, DCPLayout(), backend="reference", dtype=torch.float32, device="cpu").spec
+        FlashInferBackend(spec, limits).use_query_pass(False)  # the fused query pass: nothing to refuse
+        FlashInferBackend(spec).use_query_pass(True)  # no limits: the dense pass serves
+        if heads == 256:
+            with pytest.raises(ValueError, match=r"expected fuse_query None or True .* at 256 heads, got False"):
+                FlashInferBackend(spec, limits).use_query_pass(True)
+            continue
+        attn = _layer("flashinfer", cfg, DCPLayout(), limits)
+        for ctx, ql in HEAD_COUNT_STEPS:
+            step = synthetic.make_step(ctx, ql, heads=heads, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
+                                       mla=True, seed=1)  # fmt: skip
+            x = synthetic.rank_inputs(step, DCPLayout(), 16, mla=True, dtype=torch.float32, device="cpu")
+            if heads == 128 and sum(ql) == 1:
+                with pytest.raises(ValueError, match=r"expected over 64 rows .* got 1 tokens x 128 heads over 3"):
+                    attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+                continue
+            out = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, attn.plan(x.query_start_loc, x.seq_lens, x.block_table))
+            assert torch.allclose(out.double(), synthetic.oracle(step, cfg.scale)[0], atol=1e-5, rtol=1e-5)
 
 
 def _stale_plan_on_two_ranks(rank: int, world: int) -> list[str]:

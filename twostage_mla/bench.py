@@ -287,7 +287,8 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     odd = [h for h in grid["heads"] if h > 128 or h & (h - 1)]
     if has_fi and "onepass" in methods and odd:  # see backends/flashinfer.py: its rows' key bound is a floor
         print(f"bench: onepass at {odd} heads is timed only: FlashInfer's causal MLA kernel can miss a query's "
-              "own key where the head count is not a power of two <= 128 (docs/backends.md)")
+              "keys at head counts that do not divide 64 (docs/backends.md; 128 is exact while every request "
+              "has tokens, as here)")
 
     layers: dict[tuple[str, int], TwoStageAttention] = {}
     slow: set[tuple] = set()  # (backend, B, Q, heads) that went past slow_ms: skip larger C

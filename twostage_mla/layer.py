@@ -283,7 +283,7 @@ class TwoStageAttention:
                 f"{dtype}, got True: the fused kernel needs CUDA, Triton and bf16 or fp16"
             )
         self.query_merge = fused if fuse_query in (None, True) else None
-        self.backend.query_pass = self.query_merge is None
+        self.backend.use_query_pass(self.query_merge is None)
         # With capture limits the fused kernel reads the step's indices from fixed buffers that
         # plan() refills (a replayed graph reads the addresses it was captured with), and it is
         # compiled for the longest request of any step, not of the step it was captured with.

@@ -209,6 +209,14 @@ class AttentionBackend:
     # is then never called, and plan() need not prepare it.
     query_pass: bool = True
 
+    def use_query_pass(self, on: bool) -> None:
+        """Whether the layer will call :meth:`query` (False: the layer fuses the query pass).
+
+        The layer calls it once, at construction; a backend whose own query pass cannot serve
+        its spec and limits raises ValueError here.
+        """
+        self.query_pass = on
+
     def __init__(self, spec: AttentionSpec, limits: CaptureLimits | None = None) -> None:
         self.spec = spec
         self.limits = limits or CaptureLimits()

@@ -6,16 +6,17 @@ MLA:
                  views and the one cache tensor (P, page, 1, D) into ckv =
                  cache[..., :Dv] / kpe = cache[..., Dv:] views (no copies).
   query pass     the same wrapper, causal, over the step's fresh K/V seen as
-                 a cache of pages of one token (kv_indices = 0..T-1), at
-                 up to 64 heads or 128; the dense query pass at others.
-                 FlashInfer 0.5.3's sm90 kernel bounds a tile of packed
-                 rows' keys by floor((start + tile) / heads), one key short
-                 of the tile's last query where heads does not divide
-                 start + tile (tiles of 64 or 128 rows); where that key opens
-                 a tile of 64 keys it is lost. With no context (this pass)
-                 that happens only past 64 heads, 128 excepted: on an H200
-                 the output was wrong (rel err 1.0) at 256 and 1024 heads.
-                 docs/backends.md has the measurements.
+                 a cache of pages of one token (kv_indices = 0..T-1), where
+                 the head count divides the kernel's row tile; the dense
+                 query pass elsewhere (refused under capture limits: it
+                 reads the plan's own indices). FlashInfer 0.5.3's kernel
+                 bounds a tile of packed rows' keys by floor((start + tile)
+                 / heads), one key short of the tile's last query where
+                 heads does not divide start + tile; where that key opens a
+                 tile of keys it is lost. The tile is 64 rows, or 128 where
+                 the step averages over 64 rows per request. On
+                 an H200 the output was wrong (rel err 0.94 - 1.0) at 256
+                 and 1024 heads. docs/backends.md has the measurements.
 GQA:
   context pass   BatchPrefillWithPagedKVCacheWrapper (NHD), non-causal.
   query pass     BatchPrefillWithRaggedKVCacheWrapper, causal.
@@ -57,6 +58,10 @@ from twostage_mla.backends.base import AttentionBackend, AttentionSpec, CaptureL
 from twostage_mla.layout import local_pages
 from twostage_mla.plan import StepPlan
 
+_DENSE_UNDER_LIMITS = (
+    "the dense query pass that replaces it reads the plan's own indices, which a graph replayed after a later "
+    "plan would not follow"
+)
 _WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial states)
 
 
@@ -95,6 +100,7 @@ class FlashInferState:
     generation: int  # must equal wrappers.generation when a layer runs
     empty_rows: torch.Tensor | None  # (T, 1) bool rows to set to (0, -inf), or None
     context: bool = True  # False: no rank-local context in this step, no context kernel planned (eager only)
+    query_kernel: bool = True  # False: FlashInfer's causal MLA kernel is not exact at this step (dense query pass)
 
 
 class FlashInferBackend(AttentionBackend):
@@ -126,13 +132,30 @@ class FlashInferBackend(AttentionBackend):
         super().__init__(spec, limits)
         self._mla = spec.kv_format == "mla"
         self._ctx_heads = spec.num_heads * spec.world_size
-        # FlashInfer's causal MLA kernel keeps every query's own key, with no context, at these counts (see above).
-        self._causal_kernel = not self._mla or spec.num_heads <= 64 or spec.num_heads == 128
+        # FlashInfer's causal MLA kernel is exact where the head count divides its row tile (64 or 128):
+        # always where it divides 64, at some steps where it divides 128, never elsewhere.
+        self._causal_kernel = not self._mla or 128 % spec.num_heads == 0
         self._workspace: torch.Tensor | None = None
         # Capture mode: one set per batch size, for GQA per (B, T): FlashInfer's prefill wrappers
         # in CUDA-graph mode fix their row count at the first plan (MLA's do not).
         self._by_batch: dict[int | tuple[int, int], _Wrappers] = {}
         self._shared: _Wrappers | None = None
+
+    def use_query_pass(self, on: bool) -> None:
+        if on and not self._causal_kernel and self.limits.given:
+            raise ValueError(
+                f"expected fuse_query None or True (the fused query pass) with capture limits at {self.spec.num_heads} "
+                f"heads, got False: FlashInfer's causal MLA kernel loses keys at head counts that do not divide "
+                f"128, and {_DENSE_UNDER_LIMITS}"
+            )
+        super().use_query_pass(on)
+
+    def _kernel_exact(self, plan: StepPlan) -> bool:
+        """Whether FlashInfer's causal MLA kernel is exact at this step: where the head count divides its
+        tile of packed rows (query x head). Its MLAPlan (scheduler.cuh) takes clusters of two 64-row
+        CTAs, 128 rows, where the batch averages over 64 rows per request, else 64."""
+        tile = 128 if plan.num_tokens * self.spec.num_heads // plan.batch_size > 64 else 64
+        return tile % self.spec.num_heads == 0
 
     # -- wrappers -------------------------------------------------------------
 
@@ -203,7 +226,16 @@ class FlashInferBackend(AttentionBackend):
         # must serve later steps, so under capture limits the kernel runs (and its rows are masked).
         context = self.limits.given or plan.max_local_context_len > 0
         # Tree masks take the base class's dense query pass: no query kernel to plan then.
-        plan_query = plan.query_mask is None and self.query_pass and self._causal_kernel
+        plan_query = plan.query_mask is None and self.query_pass
+        kernel = not self._mla or self._kernel_exact(plan)
+        if plan_query and not kernel and self.limits.given:  # 128 heads, a batch mostly of empty requests
+            raise ValueError(
+                f"expected over 64 rows (tokens x heads) per request with fuse_query=False and capture limits, "
+                f"got {plan.num_tokens} tokens x {s.num_heads} heads over {plan.batch_size} requests: FlashInfer's "
+                f"causal MLA kernel then takes tiles of 64 rows, which lose keys at {s.num_heads} heads, and "
+                f"{_DENSE_UNDER_LIMITS}"
+            )
+        plan_query = plan_query and kernel
         if self._mla:
             dv, dr = s.head_dim_v, s.head_dim - s.head_dim_v
             if context:
@@ -227,7 +259,7 @@ class FlashInferBackend(AttentionBackend):
             buf.copy_(empty if empty is not None else torch.zeros_like(buf))
             empty = buf
         w.generation += 1
-        return FlashInferState(w, w.generation, empty, context)
+        return FlashInferState(w, w.generation, empty, context, kernel)
 
     def invalidate_plans(self) -> None:
         for w in [self._shared, *self._by_batch.values()]:
@@ -274,7 +306,7 @@ class FlashInferBackend(AttentionBackend):
         Graph-capturable (no host sync).
         """
         st, dv = self._state(plan), self.spec.head_dim_v
-        if not self._causal_kernel:
+        if not st.query_kernel:
             return dense_query(q, k, v, plan, self.spec.scale)
         t, h = q.shape[0], q.shape[1]
         o = q.new_empty((t, h, dv))
