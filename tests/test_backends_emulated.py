@@ -194,12 +194,12 @@ def test_flashinfer_stale_plan_and_capture_limits(emulated):
     assert torch.allclose(out.double(), ref_o, atol=1e-5)
 
 
-# (contexts, q_lens): chains and a chunk of 70 tokens; a batch mostly of empty requests (an engine's padding),
-# where FlashInfer picks row tiles of 64 at 128 heads.
-HEAD_COUNT_STEPS = [([0, 40, 3], [16, 70, 5]), ([5, 3, 0], [1, 0, 0])]
+# (contexts, q_lens): chains and a chunk of 70 tokens; batches of two thirds and of half empty requests (an
+# engine's padding), where FlashInfer picks row tiles of 64 at 128 heads (64 rows a request: not over 64).
+HEAD_COUNT_STEPS = [([0, 40, 3], [16, 70, 5]), ([5, 3, 0], [1, 0, 0]), ([3, 0], [1, 0])]
 
 
-@pytest.mark.parametrize("steps", [0, 1], ids=["chunk", "empty-requests"])
+@pytest.mark.parametrize("steps", [0, 1, 2], ids=["chunk", "empty-requests", "half-empty"])
 @pytest.mark.parametrize("heads", [4, 10, 40, 64, 96, 127, 128, 129, 256])
 def test_flashinfer_mla_query_pass_at_any_head_count(emulated, heads, steps):
     """FlashInfer's causal MLA kernel drops keys at some head counts (the stand-in drops them as the H200's
@@ -213,15 +213,15 @@ def test_flashinfer_mla_query_pass_at_any_head_count(emulated, heads, steps):
     for own_kernel in (None, True):  # the backend's choice, then FlashInfer's kernel forced at every count
         attn = _layer("flashinfer", cfg, DCPLayout())
         if own_kernel:
-            attn.backend._kernel_exact = lambda plan: True
+            attn.backend._exact = {64: True, 128: True}
         out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, attn.plan(x.query_start_loc, x.seq_lens, x.block_table),
                         return_lse=True)  # fmt: skip
         exact.append(torch.allclose(out.double(), ref_o, atol=1e-5, rtol=1e-5)
                      and torch.allclose(lse.double(), ref_lse, atol=1e-5))  # fmt: skip
     assert exact[0]
-    # The kernel alone: exact at the counts that divide 64; on these steps wrong at these others (with
-    # the empty requests, tiles of 64 rows: the first tile of any count over 64 reads no key).
-    assert exact[1] == (heads not in ((127, 129, 256), (96, 127, 128, 129, 256))[steps])
+    # The kernel alone, on these steps: wrong at these counts (with the empty requests, tiles of 64 rows:
+    # the first tile of any count over 64 reads no key).
+    assert exact[1] == (heads not in (127, 129, 256) if steps == 0 else heads <= 64)
 
 
 def test_flashinfer_refuses_the_dense_query_pass_under_capture_limits(emulated):
@@ -229,13 +229,13 @@ def test_flashinfer_refuses_the_dense_query_pass_under_capture_limits(emulated):
     where it would run, at construction where it always would (256 heads), at plan time where a step needs it
     (128 heads, a batch mostly of empty requests)."""
     limits = CaptureLimits(max_batch_size=4, max_tokens=96, max_pages=8)
-    for heads in (64, 128, 256):
+    for heads in (40, 128, 256):
         cfg = _config(True, 16, heads=heads)
         spec = TwoStageAttention(cfg, DCPLayout(), backend="reference", dtype=torch.float32, device="cpu").spec
         FlashInferBackend(spec, limits).use_query_pass(False)  # the fused query pass: nothing to refuse
         FlashInferBackend(spec).use_query_pass(True)  # no limits: the dense pass serves
         if heads == 256:
-            with pytest.raises(ValueError, match=r"expected fuse_query None or True .* at 256 heads, got False"):
+            with pytest.raises(ValueError, match=r"expected the fused query pass .* at 256 heads, got the backend.s"):
                 FlashInferBackend(spec, limits).use_query_pass(True)
             continue
         attn = _layer("flashinfer", cfg, DCPLayout(), limits)
@@ -244,11 +244,20 @@ def test_flashinfer_refuses_the_dense_query_pass_under_capture_limits(emulated):
                                        mla=True, seed=1)  # fmt: skip
             x = synthetic.rank_inputs(step, DCPLayout(), 16, mla=True, dtype=torch.float32, device="cpu")
             if heads == 128 and sum(ql) == 1:
-                with pytest.raises(ValueError, match=r"expected over 64 rows .* got 1 tokens x 128 heads over 3"):
+                want = rf"at this step, got the backend's own: at 1 tokens x 128 heads over {len(ql)} requests"
+                with pytest.raises(ValueError, match=want + r" .* tiles of 64 rows"):
                     attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
                 continue
             out = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, attn.plan(x.query_start_loc, x.seq_lens, x.block_table))
             assert torch.allclose(out.double(), synthetic.oracle(step, cfg.scale)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_layer_tells_its_backend_whether_it_runs_the_query_pass(monkeypatch):
+    """use_query_pass is how a backend refuses a query pass it cannot serve: the layer must call it."""
+    told = []
+    monkeypatch.setattr(ReferenceBackend, "use_query_pass", lambda self, on: told.append(on))
+    TwoStageAttention(_config(True, 16), DCPLayout(), backend="reference", dtype=torch.float32, device="cpu")
+    assert told == [True]  # on the CPU no fused kernel: the backend's own query pass
 
 
 def _stale_plan_on_two_ranks(rank: int, world: int) -> list[str]:

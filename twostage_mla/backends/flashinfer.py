@@ -7,7 +7,7 @@ MLA:
                  cache[..., :Dv] / kpe = cache[..., Dv:] views (no copies).
   query pass     the same wrapper, causal, over the step's fresh K/V seen as
                  a cache of pages of one token (kv_indices = 0..T-1), where
-                 the head count divides the kernel's row tile; the dense
+                 that kernel keeps every key (_causal_mla_exact); the dense
                  query pass elsewhere (refused under capture limits: it
                  reads the plan's own indices). FlashInfer 0.5.3's kernel
                  bounds a tile of packed rows' keys by floor((start + tile)
@@ -62,6 +62,19 @@ _DENSE_UNDER_LIMITS = (
     "the dense query pass that replaces it reads the plan's own indices, which a graph replayed after a later "
     "plan would not follow"
 )
+
+
+def _causal_mla_exact(heads: int, row_tile: int, key_tile: int = 16) -> bool:
+    """Whether FlashInfer's causal MLA kernel keeps every key of a causal pass with no context (the
+    query pass) at ``heads``, in tiles of ``row_tile`` packed rows (query x head).
+
+    A tile ending at packed row m reads the key tiles up to m // heads: one key short of its last
+    query's own where heads does not divide m, and that key is lost where m // heads is a multiple of
+    the key tile (64 keys on sm90, 32 or 16 on sm80 GPUs; 16 covers them all). The pattern repeats
+    every heads * key_tile row tiles.
+    """
+    ends = range(row_tile, row_tile * heads * key_tile + 1, row_tile)
+    return all(m % heads == 0 or (m // heads) % key_tile for m in ends)
 _WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial states)
 
 
@@ -132,9 +145,8 @@ class FlashInferBackend(AttentionBackend):
         super().__init__(spec, limits)
         self._mla = spec.kv_format == "mla"
         self._ctx_heads = spec.num_heads * spec.world_size
-        # FlashInfer's causal MLA kernel is exact where the head count divides its row tile (64 or 128):
-        # always where it divides 64, at some steps where it divides 128, never elsewhere.
-        self._causal_kernel = not self._mla or 128 % spec.num_heads == 0
+        # Where FlashInfer's causal MLA kernel is exact, by its row tile (all True for GQA: another kernel).
+        self._exact = {t: not self._mla or _causal_mla_exact(spec.num_heads, t) for t in (64, 128)}
         self._workspace: torch.Tensor | None = None
         # Capture mode: one set per batch size, for GQA per (B, T): FlashInfer's prefill wrappers
         # in CUDA-graph mode fix their row count at the first plan (MLA's do not).
@@ -142,20 +154,18 @@ class FlashInferBackend(AttentionBackend):
         self._shared: _Wrappers | None = None
 
     def use_query_pass(self, on: bool) -> None:
-        if on and not self._causal_kernel and self.limits.given:
+        if on and not any(self._exact.values()) and self.limits.given:
             raise ValueError(
-                f"expected fuse_query None or True (the fused query pass) with capture limits at {self.spec.num_heads} "
-                f"heads, got False: FlashInfer's causal MLA kernel loses keys at head counts that do not divide "
-                f"128, and {_DENSE_UNDER_LIMITS}"
+                f"expected the fused query pass (fuse_query None or True; it needs Triton) with capture limits at "
+                f"{self.spec.num_heads} heads, got the backend's own: FlashInfer's causal MLA kernel loses keys at "
+                f"{self.spec.num_heads} heads, and {_DENSE_UNDER_LIMITS}"
             )
         super().use_query_pass(on)
 
-    def _kernel_exact(self, plan: StepPlan) -> bool:
-        """Whether FlashInfer's causal MLA kernel is exact at this step: where the head count divides its
-        tile of packed rows (query x head). Its MLAPlan (scheduler.cuh) takes clusters of two 64-row
-        CTAs, 128 rows, where the batch averages over 64 rows per request, else 64."""
-        tile = 128 if plan.num_tokens * self.spec.num_heads // plan.batch_size > 64 else 64
-        return tile % self.spec.num_heads == 0
+    def _row_tile(self, plan: StepPlan) -> int:
+        """Packed rows (query x head) per tile of FlashInfer's MLA kernel at this step: its MLAPlan
+        (scheduler.cuh) takes clusters of two 64-row CTAs where the batch averages over 64 rows."""
+        return 128 if plan.num_tokens * self.spec.num_heads // plan.batch_size > 64 else 64
 
     # -- wrappers -------------------------------------------------------------
 
@@ -227,13 +237,14 @@ class FlashInferBackend(AttentionBackend):
         context = self.limits.given or plan.max_local_context_len > 0
         # Tree masks take the base class's dense query pass: no query kernel to plan then.
         plan_query = plan.query_mask is None and self.query_pass
-        kernel = not self._mla or self._kernel_exact(plan)
-        if plan_query and not kernel and self.limits.given:  # 128 heads, a batch mostly of empty requests
+        tile = self._row_tile(plan)
+        kernel = self._exact[tile]
+        if plan_query and not kernel and self.limits.given:  # e.g. 128 heads, half the requests empty
             raise ValueError(
-                f"expected over 64 rows (tokens x heads) per request with fuse_query=False and capture limits, "
-                f"got {plan.num_tokens} tokens x {s.num_heads} heads over {plan.batch_size} requests: FlashInfer's "
-                f"causal MLA kernel then takes tiles of 64 rows, which lose keys at {s.num_heads} heads, and "
-                f"{_DENSE_UNDER_LIMITS}"
+                f"expected the fused query pass (fuse_query None or True) with capture limits at this step, got "
+                f"the backend's own: at {plan.num_tokens} tokens x {s.num_heads} heads over {plan.batch_size} "
+                f"requests FlashInfer's causal MLA kernel takes tiles of {tile} rows, which lose keys at "
+                f"{s.num_heads} heads, and {_DENSE_UNDER_LIMITS}"
             )
         plan_query = plan_query and kernel
         if self._mla:
