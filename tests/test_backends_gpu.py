@@ -192,6 +192,30 @@ def test_head_counts(name, fuse, tree, fmt, heads, kv_heads, dim):
     print(f"{name} {fmt} {heads}x{kv_heads} d{dim} fuse {fuse} tree {tree}: rel {rel:.2e} lse {lse_err:.2e}")
 
 
+@pytest.mark.parametrize("heads", [40, 96, 128, 256], ids=lambda h: f"mla-{h}")
+def test_head_counts_flashinfer_mla_half_empty_batch(heads):
+    """Half the requests empty, as an engine pads a batch: FlashInfer's causal MLA kernel then takes 64-row
+    tiles, and past 64 heads its first tile reads no key (docs/backends.md). The backend's own query pass
+    stays exact; forced onto the kernel it is wrong past 64 heads (else the rule, not the kernel, is off)."""
+    cfg = _config("mla", heads, 64)
+    if "flashinfer" not in _serving(cfg, torch.bfloat16):
+        pytest.skip("flashinfer does not serve MLA here")
+    for forced in (False, True):
+        step, x, attn, _ = _run("flashinfer", cfg, torch.bfloat16, [50, 700, 0, 9], [1, 0, 1, 0], seed=heads,
+                                fuse=False)  # fmt: skip
+        if forced:
+            attn.backend._exact = {64: True, 128: True}
+        plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+        out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
+        if not forced:
+            _check(step, cfg, torch.bfloat16, out, lse, f"flashinfer mla {heads} heads, half the requests empty")
+            continue
+        ref_o, _ = synthetic.oracle(step, cfg.scale)
+        rel = ((out.double().cpu() - ref_o).abs().max() / ref_o.abs().max()).item()
+        print(f"FlashInfer's causal MLA kernel alone at {heads} heads, half the requests empty: rel err {rel:.2e}")
+        assert (rel > 0.1) == (heads > 64), f"{heads} heads: rel err {rel:.2e}"
+
+
 @pytest.mark.parametrize("fuse", [False, True], ids=["backend-query", "fused-query"])
 @pytest.mark.parametrize("name", [n for n in backend_names()])
 @pytest.mark.parametrize("fmt", ["mla", "gqa"])
