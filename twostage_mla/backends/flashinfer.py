@@ -75,6 +75,8 @@ def _causal_mla_exact(heads: int, row_tile: int, key_tile: int = 16) -> bool:
     """
     ends = range(row_tile, row_tile * heads * key_tile + 1, row_tile)
     return all(m % heads == 0 or (m // heads) % key_tile for m in ends)
+
+
 _WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial states)
 
 
