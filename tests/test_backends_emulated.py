@@ -9,6 +9,8 @@ are exercised by tests/test_backends_gpu.py on a GPU.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 import pytest
@@ -222,6 +224,20 @@ def test_flashinfer_mla_query_pass_at_any_head_count(emulated, heads, steps):
     # The kernel alone, on these steps: wrong at these counts (with the empty requests, tiles of 64 rows:
     # the first tile of any count over 64 reads no key).
     assert exact[1] == (heads not in (127, 129, 256) if steps == 0 else heads <= 64)
+
+
+def test_flashinfer_exactness_rule_agrees_with_the_h200():
+    """_causal_mla_exact against FlashInfer's kernel as measured on an H200 (benchmarks/fi_mla_causal_probe.py,
+    one request per case): every no-context case it calls exact was exact there."""
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results",
+                        "h200_2026-12-02_fi_mla_causal_session19.json")  # fmt: skip
+    with open(path) as f:
+        cases = [c for c in json.load(f) if c["context"] == 0]
+    assert len(cases) == 160 and sum(c["wrong"] for c in cases) > 0
+    for c in cases:
+        tile = 128 if c["q_len"] * c["heads"] > 64 else 64  # one request: its own rows are the average
+        if fi_backend._causal_mla_exact(c["heads"], tile):
+            assert not c["wrong"], c
 
 
 def test_flashinfer_refuses_the_dense_query_pass_under_capture_limits(emulated):
