@@ -28,7 +28,7 @@ from twostage_mla.backends.flashinfer import FlashInferBackend
 from twostage_mla.backends.reference import ReferenceBackend
 from twostage_mla.backends.torch_efficient import TorchEfficientBackend
 from twostage_mla.backends.torch_flash import TorchFlashBackend
-from twostage_mla.layer import AttentionConfig, TwoStageAttention
+from twostage_mla.layer import AttentionConfig, TwoStageAttention, _spec
 from twostage_mla.layout import DCPLayout, local_pages
 from twostage_mla.plan import plan_step
 
@@ -243,11 +243,11 @@ def test_flashinfer_exactness_rule_agrees_with_the_h200():
 def test_flashinfer_refuses_the_dense_query_pass_under_capture_limits(emulated):
     """The dense pass that stands in for FlashInfer's causal MLA kernel cannot replay across plans: refused by name
     where it would run, at construction where it always would (256 heads), at plan time where a step needs it
-    (128 heads, a batch mostly of empty requests)."""
+    (128 heads, half the requests or more empty)."""
     limits = CaptureLimits(max_batch_size=4, max_tokens=96, max_pages=8)
     for heads in (40, 128, 256):
         cfg = _config(True, 16, heads=heads)
-        spec = TwoStageAttention(cfg, DCPLayout(), backend="reference", dtype=torch.float32, device="cpu").spec
+        spec = _spec(cfg, 1, torch.float32, torch.device("cpu"))
         FlashInferBackend(spec, limits).use_query_pass(False)  # the fused query pass: nothing to refuse
         FlashInferBackend(spec).use_query_pass(True)  # no limits: the dense pass serves
         if heads == 256:
