@@ -202,6 +202,9 @@ class _MLAWrapper:
         kv_len_arr=None,
         backend="auto",
     ):
+        # The backend pins the kernels whose tiling it models; FlashInfer's "auto" may pick others.
+        assert backend in ("fa2", "fa3"), f"expected backend 'fa2' or 'fa3', got {backend!r}"
+        self.backend = backend
         self._graph = use_cuda_graph
         self._bufs = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
         self._planned = False
@@ -407,6 +410,7 @@ def fake_flashinfer() -> types.SimpleNamespace:
     """A stand-in for ``import flashinfer`` with the three wrappers the backend uses."""
     return types.SimpleNamespace(
         mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=_MLAWrapper),
+        utils=types.SimpleNamespace(is_sm90a_supported=lambda device: True),
         prefill=types.SimpleNamespace(
             BatchPrefillWithPagedKVCacheWrapper=_PagedPrefillWrapper,
             BatchPrefillWithRaggedKVCacheWrapper=_RaggedPrefillWrapper,

@@ -639,6 +639,20 @@ def test_flashinfer_plans_no_query_kernel_when_the_query_pass_is_fused(emulated)
     assert plan.backend_state.wrappers.ctx._planned and not plan.backend_state.wrappers.qry._planned
 
 
+@pytest.mark.parametrize("sm90", [True, False])
+def test_flashinfer_pins_the_mla_kernels_its_exactness_rule_models(emulated, sm90):
+    """FlashInfer's "auto" may pick MLA kernels with other tiling in later releases (sm100): the backend asks
+    for fa3 on sm90a and fa2 elsewhere, as 0.5.3's "auto" does, with and without capture limits."""
+    fi_backend._flashinfer().utils.is_sm90a_supported = lambda device: sm90
+    cfg = _config(True, 16)
+    step = synthetic.make_step([10, 30], [2, 2], heads=4, head_dim=80, head_dim_v=64, seed=1)
+    x = synthetic.rank_inputs(step, DCPLayout(), 16, mla=True, dtype=torch.float32, device="cpu")
+    for limits in (None, CaptureLimits(max_batch_size=4, max_tokens=16, max_pages=8)):
+        attn = _layer("flashinfer", cfg, DCPLayout(), limits)
+        wrappers = attn.plan(x.query_start_loc, x.seq_lens, x.block_table).backend_state.wrappers
+        assert (wrappers.ctx.backend, wrappers.qry.backend) == (("fa3", "fa3") if sm90 else ("fa2", "fa2"))
+
+
 def test_torch_flash_reads_pages_in_place_only_for_fa2_page_sizes(monkeypatch):
     monkeypatch.setattr(torch_flash, "_op_takes", lambda arg: True)  # a torch whose op takes block_table
     for page, paged in ((16, False), (256, True)):

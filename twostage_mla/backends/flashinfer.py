@@ -180,9 +180,13 @@ class FlashInferBackend(AttentionBackend):
         """Wrappers for batch size b with fixed buffers, or plain ones (b None)."""
         fi, ws, dev = _flashinfer(), self._ws(), self.spec.device
         i32 = dict(dtype=torch.int32, device=dev)
+        # The MLA kernels _causal_mla_exact models, chosen as FlashInfer 0.5.3's "auto" does: later
+        # releases' "auto" may pick others (trtllm-gen, cute-dsl on sm100) with other tiling.
+        kernel = "fa3" if self._mla and fi.utils.is_sm90a_supported(torch.device(dev)) else "fa2"
         if b is None:
             if self._mla:
-                return _Wrappers(fi.mla.BatchMLAPagedAttentionWrapper(ws), fi.mla.BatchMLAPagedAttentionWrapper(ws))
+                return _Wrappers(fi.mla.BatchMLAPagedAttentionWrapper(ws, backend=kernel),
+                                 fi.mla.BatchMLAPagedAttentionWrapper(ws, backend=kernel))
             return _Wrappers(
                 fi.prefill.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD"),
                 fi.prefill.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD"),
@@ -194,7 +198,7 @@ class FlashInferBackend(AttentionBackend):
                 return fi.mla.BatchMLAPagedAttentionWrapper(
                     ws, use_cuda_graph=True, qo_indptr=torch.zeros(b + 1, **i32),
                     kv_indptr=torch.zeros(b + 1, **i32), kv_indices=torch.zeros(n_idx, **i32),
-                    kv_len_arr=torch.zeros(b, **i32),
+                    kv_len_arr=torch.zeros(b, **i32), backend=kernel,
                 )
 
             return _Wrappers(mla(lim.max_pages), mla(lim.max_tokens), rows)
