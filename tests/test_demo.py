@@ -133,3 +133,16 @@ def test_demo_help_describes_every_option():
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "token p on rank (p // I) % N" in r.stdout and "(default: a2a)" in r.stdout
+
+
+def test_the_command_line_names_the_demos_options_as_flags(capsys):
+    # Its own options as flags; the registry's quoted spec (page_size=64) as it is.
+    from twostage_mla import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--max-q-len", "0"])
+    assert e.value.code == 2 and "expected --max-q-len >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--backend", "flashinfer", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert "backend 'flashinfer' cannot serve" in err and " page_size=64 " in err and "--page-size=" not in err

@@ -321,6 +321,8 @@ def test_config_errors():
         AttentionConfig(4, 16, 32, 4, 0.1)
     with pytest.raises(ValueError, match=r"fuse_query in \(None, True, False\), got 'yes'"):
         TwoStageAttention(AttentionConfig(4, 16, 16, 4, 0.1), DCPLayout(), fuse_query="yes")
+    with pytest.raises(ValueError, match=r"fuse_query in \(None, True, False\), got 1$"):  # 1 == True, quoted as given
+        TwoStageAttention(AttentionConfig(4, 16, 16, 4, 0.1), DCPLayout(), fuse_query=1)
     with pytest.raises(ValueError, match="kv_format 'mla' or 'gqa'"):
         AttentionConfig(4, 16, 16, 4, 0.1, 1, "mha")
     with pytest.raises(ValueError, match="num_heads to be an int >= 1, got 0"):

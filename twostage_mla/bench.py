@@ -72,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=_ints, default=None, help="comma list, e.g. 16,128 (default: the grid's)")
     p.add_argument("--methods", default="twostage,onepass,expand,floor",
                    help="comma list of twostage, onepass, expand, floor (default: all four)")
-    p.add_argument("--backends", default="all", help="'all' (every GPU backend that serves MLA here) or a list")
+    p.add_argument("--backends", default="all",
+                   help="'all' (every GPU backend that serves MLA here, the default) or a comma list")
     p.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
     p.add_argument("--kv-lora-rank", type=int, default=512, help="MLA latent dim Dv (default 512)")
     p.add_argument("--rope-dim", type=int, default=64, help="MLA rope dim, D = Dv + rope (default 64)")
@@ -81,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time each backend with its own query pass and a separate merge (fuse_query=False), "
                         "as backend '<name>-unfused'; plain '<name>' is the layer's default")
     p.add_argument("--slow-ms", type=float, default=30.0,
-                   help="a backend slower than this at a point is timed with 3 eager calls only")
+                   help="a backend slower than this at a point is timed with 3 eager calls only (default %(default)s)")
     p.add_argument("--out", default="benchmarks/results/bench.json",
                    help="JSON records (default %(default)s, under the current directory)")
     p.add_argument("--plot", default=None, help="png path (default: --out with .png)")

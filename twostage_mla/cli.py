@@ -18,9 +18,10 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
 
 
 def _as_flags(message: str) -> str:
-    """The demo's errors name its options as Python does (page_size): name them as flags (--page-size)."""
+    """The demo's errors name its options as Python does (page_size): name them as flags (--page-size).
+    A name followed by '=' is a field of a spec the registry quotes (page_size=64), not an option."""
     names = "|".join(f.name for f in fields(DemoArgs) if "_" in f.name)  # one-word names read as prose
-    return re.sub(rf"\b({names})\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
+    return re.sub(rf"\b({names})\b(?!=)", lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Every backend that serves here, on a grid of small steps (one rank), against the "
         "float64 oracle; a table of errors, exit 1 if any is past its tolerance.",
     )
-    check.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
+    check.add_argument("--device", default="auto", help="auto (cuda if present; the default), cpu or cuda")
     check.add_argument(
         "--dtype",
         action="append",

@@ -274,7 +274,7 @@ class TwoStageAttention:
         self.spec = _spec(config, layout.world_size, dtype, self.device)
         self.backend = select_backend(self.spec, backend, limits)(self.spec, limits)
         self.merge = select_merge(self.spec)
-        if fuse_query not in (None, True, False):
+        if fuse_query is not None and not isinstance(fuse_query, bool):  # 1 == True, but not what a user meant
             raise ValueError(f"expected fuse_query in (None, True, False), got {fuse_query!r}")
         fused = select_query_merge(self.spec)
         if fuse_query and fused is None:
