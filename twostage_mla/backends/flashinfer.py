@@ -17,6 +17,8 @@ MLA:
                  the step averages over 64 rows per request. On
                  an H200 the output was wrong (rel err 0.94 - 1.0) at 256
                  and 1024 heads. docs/backends.md has the measurements.
+                 Both MLA wrappers ask for fa3 (sm90a) or fa2, the kernels
+                 this rule models, not FlashInfer's "auto".
 GQA:
   context pass   BatchPrefillWithPagedKVCacheWrapper (NHD), non-causal.
   query pass     BatchPrefillWithRaggedKVCacheWrapper, causal.
