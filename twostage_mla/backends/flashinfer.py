@@ -184,11 +184,11 @@ class FlashInferBackend(AttentionBackend):
         i32 = dict(dtype=torch.int32, device=dev)
         # The MLA kernels _causal_mla_exact models, chosen as FlashInfer 0.5.3's "auto" does: later
         # releases' "auto" may pick others (trtllm-gen, cute-dsl on sm100) with other tiling.
-        kernel = "fa3" if self._mla and fi.utils.is_sm90a_supported(torch.device(dev)) else "fa2"
+        mla_kernel = "fa3" if self._mla and fi.utils.is_sm90a_supported(torch.device(dev)) else "fa2"
         if b is None:
             if self._mla:
-                return _Wrappers(fi.mla.BatchMLAPagedAttentionWrapper(ws, backend=kernel),
-                                 fi.mla.BatchMLAPagedAttentionWrapper(ws, backend=kernel))
+                return _Wrappers(fi.mla.BatchMLAPagedAttentionWrapper(ws, backend=mla_kernel),
+                                 fi.mla.BatchMLAPagedAttentionWrapper(ws, backend=mla_kernel))
             return _Wrappers(
                 fi.prefill.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD"),
                 fi.prefill.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD"),
@@ -200,7 +200,7 @@ class FlashInferBackend(AttentionBackend):
                 return fi.mla.BatchMLAPagedAttentionWrapper(
                     ws, use_cuda_graph=True, qo_indptr=torch.zeros(b + 1, **i32),
                     kv_indptr=torch.zeros(b + 1, **i32), kv_indices=torch.zeros(n_idx, **i32),
-                    kv_len_arr=torch.zeros(b, **i32), backend=kernel,
+                    kv_len_arr=torch.zeros(b, **i32), backend=mla_kernel,
                 )
 
             return _Wrappers(mla(lim.max_pages), mla(lim.max_tokens), rows)
@@ -246,15 +246,15 @@ class FlashInferBackend(AttentionBackend):
         # Tree masks take the base class's dense query pass: no query kernel to plan then.
         plan_query = plan.query_mask is None and self.query_pass
         tile = self._row_tile(plan)
-        kernel = self._exact[tile]
-        if plan_query and not kernel and self.limits.given:  # e.g. 128 heads, half the requests empty
+        query_kernel = self._exact[tile]
+        if plan_query and not query_kernel and self.limits.given:  # e.g. 128 heads, half the requests empty
             raise ValueError(
                 f"expected the fused query pass (fuse_query None or True) with capture limits at this step, got "
                 f"the backend's own: at {plan.num_tokens} tokens x {s.num_heads} heads over {plan.batch_size} "
                 f"requests FlashInfer's causal MLA kernel takes tiles of {tile} rows, which lose keys at "
                 f"{s.num_heads} heads, and {_DENSE_UNDER_LIMITS}"
             )
-        plan_query = plan_query and kernel
+        plan_query = plan_query and query_kernel
         if self._mla:
             dv, dr = s.head_dim_v, s.head_dim - s.head_dim_v
             if context:
@@ -278,7 +278,7 @@ class FlashInferBackend(AttentionBackend):
             buf.copy_(empty if empty is not None else torch.zeros_like(buf))
             empty = buf
         w.generation += 1
-        return FlashInferState(w, w.generation, empty, context, kernel)
+        return FlashInferState(w, w.generation, empty, context, query_kernel)
 
     def invalidate_plans(self) -> None:
         for w in [self._shared, *self._by_batch.values()]:
