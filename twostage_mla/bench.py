@@ -29,6 +29,7 @@ import math
 import os
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -215,6 +216,21 @@ def _versions() -> dict:
     return out
 
 
+@dataclass
+class _Run:
+    """What every grid point of one bench run shares."""
+
+    args: argparse.Namespace
+    meta: dict  # versions, date and shape fields of every record
+    methods: list[str]
+    backends_for: Callable[[int], list[str]]  # heads -> the backends to time at that head count
+    bw: float  # device copy, GB/s
+    has_fi: bool  # FlashInfer installed: onepass, expand and the context probes run
+    records: list[dict] = field(default_factory=list)
+    layers: dict[tuple[str, int], TwoStageAttention] = field(default_factory=dict)  # (label, heads)
+    slow: set[tuple] = field(default_factory=set)  # (backend, B, Q, heads) past slow_ms: skip larger C
+
+
 def run_bench(args: argparse.Namespace) -> list[dict]:
     """Measure the grid; returns the records (also written to args.out)."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -268,8 +284,6 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     print(f"{meta['gpu']}: device copy {bw:.0f} GB/s (read + write); torch {meta['torch']}, "
           f"flashinfer {meta['flashinfer']}", flush=True)
     has_fi = meta["flashinfer"] is not None
-    records: list[dict] = [{**meta, "method": "copy", "backend": None, "B": None, "C": None, "Q": None,
-                            "heads": None, "N": 1, "time_us": None, "gbps": bw}]
 
     def backends_for(h: int) -> list[str]:
         spec = _spec(AttentionConfig.mla(num_heads=h, kv_lora_rank=dv, rope_dim=args.rope_dim, page_size=ps,
@@ -291,8 +305,10 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
               "keys at head counts that do not divide 64 (docs/backends.md; 128 is exact while every request "
               "has tokens, as here)")
 
-    layers: dict[tuple[str, int], TwoStageAttention] = {}
-    slow: set[tuple] = set()  # (backend, B, Q, heads) that went past slow_ms: skip larger C
+    run = _Run(args, meta, methods, backends_for, bw, has_fi)
+    run.records.append({**meta, "method": "copy", "backend": None, "B": None, "C": None, "Q": None,
+                        "heads": None, "N": 1, "time_us": None, "gbps": bw})
+    records = run.records
     batches = sorted(grid["batch"], key=lambda x: (x != TARGET["B"], x))  # the target batch first
     points = [(b, c, q, h) for b in batches for c in sorted(grid["context"]) for q in grid["q_len"]
               for h in grid["heads"]]
@@ -307,8 +323,7 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
             cache = torch.randn(b * pages_per, ps, 1, d, generator=gen, device=dev, dtype=dt)
             table = torch.randperm(b * pages_per, generator=gen, device=dev).view(b, pages_per).to(torch.int32)
             cache_key = (b, c)
-        _measure_point(records, meta, args, methods, layers, slow, backends_for, cache, table, gen, b, c, q, h,
-                       bw, has_fi)
+        _measure_point(run, cache, table, gen, b, c, q, h)
         _dump(records, args.out)  # after every point: a run cut short still leaves its numbers
     cache = None
     torch.cuda.empty_cache()
@@ -322,9 +337,10 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     return records
 
 
-def _measure_point(records, meta, args, methods, layers, slow, backends_for, cache, table, gen, b, c, q, h, bw,
-                   has_fi) -> None:
-    """Time every method at one grid point (B=b, C=c, Q=q, heads=h); append records."""
+def _measure_point(run: _Run, cache: torch.Tensor, table: torch.Tensor, gen: torch.Generator, b: int, c: int,
+                   q: int, h: int) -> None:
+    """Time every method at one grid point (B=b, C=c, Q=q, heads=h); append to run.records."""
+    args, methods, layers, slow, has_fi = run.args, run.methods, run.layers, run.slow, run.has_fi
     dt, dev, ps = torch.bfloat16, cache.device, cache.shape[1]
     dv, d = args.kv_lora_rank, args.kv_lora_rank + args.rope_dim
     scale = _scale(args)
@@ -335,18 +351,18 @@ def _measure_point(records, meta, args, methods, layers, slow, backends_for, cac
     qsl = torch.arange(b + 1, device=dev, dtype=torch.int32) * q
     seq = torch.full((b,), c + q, device=dev, dtype=torch.int32)
     kv_bytes = b * c * d * 2
-    base = {**meta, "B": b, "C": c, "Q": q, "heads": h, "N": 1, "kv_bytes": kv_bytes}
+    base = {**run.meta, "B": b, "C": c, "Q": q, "heads": h, "N": 1, "kv_bytes": kv_bytes}
 
     def rec(method: str, backend: str | None, us: float, graphed: bool, **extra) -> None:
-        records.append({**base, "method": method, "backend": backend, "time_us": us, "graph": graphed,
+        run.records.append({**base, "method": method, "backend": backend, "time_us": us, "graph": graphed,
                         "gbps": kv_bytes / (us * 1e-6) / 1e9, **extra})
 
     if "floor" in methods:
-        rec("floor", None, kv_bytes / (bw * 1e9) * 1e6, False)
+        rec("floor", None, kv_bytes / (run.bw * 1e9) * 1e6, False)
     fns: dict[str, Callable[[], Any]] = {}
     keep: list[Any] = []
     if "twostage" in methods:
-        for name, label, fuse in _variants(backends_for(h), args.unfused):
+        for name, label, fuse in _variants(run.backends_for(h), args.unfused):
             if (label, b, q, h) in slow:
                 continue
             attn = layers.get((label, h))
@@ -382,7 +398,7 @@ def _measure_point(records, meta, args, methods, layers, slow, backends_for, cac
         keep.append(_MLACall(qx, apart, qsl, ctx_lens, table, False, scale, dv))
         fns["context_caches_apart"] = keep[-1]
     res = time_many(fns, graph=graph, slow_ms=args.slow_ms)
-    for _, name, _fuse in _variants(backends_for(h), args.unfused):
+    for _, name, _fuse in _variants(run.backends_for(h), args.unfused):
         if f"{name}:full" not in res:
             continue
         (full, g1), (ctx, _) = res[f"{name}:full"], res[f"{name}:context"]
