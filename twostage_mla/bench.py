@@ -355,7 +355,7 @@ def _measure_point(run: _Run, cache: torch.Tensor, table: torch.Tensor, gen: tor
 
     def rec(method: str, backend: str | None, us: float, graphed: bool, **extra) -> None:
         run.records.append({**base, "method": method, "backend": backend, "time_us": us, "graph": graphed,
-                        "gbps": kv_bytes / (us * 1e-6) / 1e9, **extra})
+                            "gbps": kv_bytes / (us * 1e-6) / 1e9, **extra})
 
     if "floor" in methods:
         rec("floor", None, kv_bytes / (run.bw * 1e9) * 1e6, False)
