@@ -11,6 +11,7 @@ check (dtypes of index tensors, shapes, plan before run).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 
@@ -406,11 +407,47 @@ class _RaggedPrefillWrapper:
         return (out, lse) if return_lse else out
 
 
-def fake_flashinfer() -> types.SimpleNamespace:
-    """A stand-in for ``import flashinfer`` with the three wrappers the backend uses."""
+@dataclasses.dataclass
+class _MLAPlanMetadata:
+    """flashinfer.mla.MLAPlanMetadata (0.7.4): the CSR form only."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_len_arr: torch.Tensor
+
+    @classmethod
+    def csr(cls, qo_indptr, kv_indptr, kv_indices, kv_len_arr):
+        return cls(qo_indptr, kv_indptr, kv_indices, kv_len_arr)
+
+
+class _MLAWrapperKeywords(_MLAWrapper):
+    """The MLA wrapper of FlashInfer 0.7.4: keywords, a metadata object and the lse mode at plan time; the
+    0.5.3 forms it still takes (with a DeprecationWarning) are refused here, so the backend must not use them."""
+
+    def plan(self, *args, metadata, query_layout, kv_cache_layout, lse_mode, **shape):
+        assert not args, "positional plan() arguments: deprecated in FlashInfer 0.7"
+        assert isinstance(metadata, _MLAPlanMetadata) and (query_layout, kv_cache_layout) == ("split", "split")
+        self._lse_mode = lse_mode
+        m = metadata
+        super().plan(m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_len_arr, **shape)
+
+    def run(self, *args, query, kv_cache, return_lse_base_on_e=False, **kw):
+        assert not args, "positional run() arguments, or q_nope / ckv_cache: deprecated in FlashInfer 0.7"
+        # As FlashInfer: the run's lse must be the one the plan declared.
+        assert self._lse_mode == ("basee" if return_lse_base_on_e else "base2")
+        return super().run(*query, *kv_cache, return_lse_base_on_e=return_lse_base_on_e, **kw)
+
+
+def fake_flashinfer(keywords: bool = False) -> types.SimpleNamespace:
+    """A stand-in for ``import flashinfer`` with the three wrappers the backend uses; keywords: with
+    0.7.4's MLA API (MLAPlanMetadata) rather than 0.5.3's."""
+    mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=_MLAWrapper)
+    if keywords:
+        mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=_MLAWrapperKeywords, MLAPlanMetadata=_MLAPlanMetadata)
     return types.SimpleNamespace(
-        mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=_MLAWrapper),
-        utils=types.SimpleNamespace(is_sm90a_supported=lambda device: True),
+        mla=mla,
+        utils=types.SimpleNamespace(is_sm90a_supported=lambda device: True, get_device_sm_count=lambda device: 132),
         prefill=types.SimpleNamespace(
             BatchPrefillWithPagedKVCacheWrapper=_PagedPrefillWrapper,
             BatchPrefillWithRaggedKVCacheWrapper=_RaggedPrefillWrapper,

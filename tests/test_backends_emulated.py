@@ -658,3 +658,45 @@ def test_torch_flash_reads_pages_in_place_only_for_fa2_page_sizes(monkeypatch):
     for page, paged in ((16, False), (256, True)):
         spec = AttentionSpec("gqa", 4, 2, 32, 32, page, 1, 0.17, torch.float16, torch.device("cpu"))
         assert TorchFlashBackend(spec)._paged_ok == paged, page
+
+
+@pytest.mark.parametrize(
+    "check",
+    [
+        lambda: test_layer_matches_oracle(None, "flashinfer", True, 16, False),
+        lambda: test_layer_matches_oracle(None, "flashinfer", True, 16, True),
+        lambda: test_passes_match_reference_on_a_shard(None, "flashinfer", True),
+        lambda: test_flashinfer_stale_plan_and_capture_limits(None),
+        lambda: test_capture_mode_empty_rows_are_refilled_each_step(None, True),
+    ],
+    ids=["chain", "tree", "shard", "capture_limits", "empty_rows"],
+)
+def test_flashinfer_takes_the_keyword_mla_api_of_later_releases(emulated, monkeypatch, check):
+    """FlashInfer 0.7.4's MLA wrapper (MLAPlanMetadata, keywords, the lse mode at plan time): the same checks
+    pass through it, and its stand-in refuses 0.5.3's forms, which 0.7.4 only warns about."""
+    fake = emu.fake_flashinfer(keywords=True)
+    monkeypatch.setattr(fi_backend, "_flashinfer", lambda: fake)
+    check()
+
+
+@pytest.mark.parametrize("heads,tokens,ok", [(128, 16000, True), (128, 16320, False), (16, 16000, True)])
+def test_flashinfer_refuses_steps_past_the_mla_planners_capacity(emulated, heads, tokens, ok):
+    """FlashInfer's MLA planner keeps 16384 work items (0.5.3 overruns past them): a step that might need more
+    is refused at plan time on every rank alike, here the context pass of 128 heads over one request (the
+    bound: 16320 tiles of 128 rows, + 1 per request, + 66 clusters of splits)."""
+    cfg = _config(True, 16, heads)
+    ctx = [40]
+    for rank in (0, 1):  # rank 1 has no context (40 < 2 x 64 tokens): it refuses too
+        layout = DCPLayout(2, rank, 64)
+        plan = plan_step(torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([ctx[0] + tokens]),
+                         torch.zeros(1, 130, dtype=torch.int32), page_size=64, layout=layout)  # fmt: skip
+        spec = AttentionSpec("mla", heads // 2, 1, cfg.head_dim, cfg.head_dim_v, 64, 2, cfg.scale, torch.float32,
+                             torch.device("cpu"))  # fmt: skip
+        backend = FlashInferBackend(spec)
+        backend.query_pass = False  # the fused query pass: only the context pass reaches FlashInfer
+        if ok:
+            assert backend.plan(plan).wrappers.ctx._planned == (rank == 0)
+            continue
+        with pytest.raises(ValueError, match=r"within FlashInfer's MLA planner \(16384 work items\), got up to "
+                                             r"16387 for the context pass at 16320 tokens x 128 heads"):  # fmt: skip
+            backend.plan(plan)

@@ -19,6 +19,15 @@ MLA:
                  and 1024 heads. docs/backends.md has the measurements.
                  Both MLA wrappers ask for fa3 (sm90a) or fa2, the kernels
                  this rule models, not FlashInfer's "auto".
+  capacity       FlashInfer's MLA planner keeps 16384 work items (a tile of
+                 64 or 128 packed rows each, plus key splits); 0.5.3 writes
+                 past its buffers beyond them. A pass that might need more
+                 (about 2M packed rows: 16K tokens at 128 heads) is refused
+                 at plan time, on every rank alike (ValueError).
+  API            0.5.3's flat positional plan, or where the release has
+                 flashinfer.mla.MLAPlanMetadata (0.7.4 ran) its keyword form
+                 with the lse mode fixed at plan time: the flat form only
+                 warns (deprecated) there.
 GQA:
   context pass   BatchPrefillWithPagedKVCacheWrapper (NHD), non-causal.
   query pass     BatchPrefillWithRaggedKVCacheWrapper, causal.
@@ -80,6 +89,20 @@ def _causal_mla_exact(heads: int, row_tile: int, key_tile: int = 16) -> bool:
 
 
 _WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial states)
+# FlashInfer's MLA planner (MLAPlan, scheduler.cuh) keeps at most this many work items: 0.5.3 writes past
+# its buffers beyond (wrong results), later releases refuse the plan.
+_MLA_MAX_WORKS = 16384
+
+
+def _mla_work_bound(tokens: int, batch: int, heads: int, num_sm: int) -> int:
+    """An upper bound of the work items FlashInfer's MLA planner makes for one pass, the same on every rank.
+
+    MLAPlan cuts each request's packed rows (query x head) into tiles of 64 rows, or 128 where the
+    batch averages over 64, and splits a tile's keys where they exceed sum(keys) / clusters: at most
+    one tile per request more than tokens * heads / tile, and splits add at most one work per cluster.
+    """
+    cluster = 2 if tokens * heads // batch > 64 else 1
+    return tokens * heads // (64 * cluster) + batch + num_sm // cluster
 
 
 def _pages_on_rank0(plan: StepPlan) -> int:
@@ -107,6 +130,36 @@ class _Wrappers:
     qry: Any
     empty_rows: torch.Tensor | None = None  # (max_tokens, 1) bool, fixed buffer in capture mode
     generation: int = 0
+    mla_metadata: Any = None  # flashinfer.mla.MLAPlanMetadata where the release has it (the keyword API)
+
+
+def _plan_mla(wrapper: Any, metadata: Any, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+              kv_indices: torch.Tensor, kv_lens: torch.Tensor, heads: int, page_size: int, causal: bool,
+              spec: AttentionSpec) -> None:
+    """Plan one MLA wrapper in the form its FlashInfer release takes.
+
+    0.5 takes flat positional metadata and the lse base at run time; later releases take a metadata
+    object, keywords and the lse mode at plan time, and only warn (deprecated) on the flat form.
+    """
+    dv = spec.head_dim_v
+    shape = dict(num_heads=heads, head_dim_ckv=dv, head_dim_kpe=spec.head_dim - dv, page_size=page_size,
+                 causal=causal, sm_scale=spec.scale, q_data_type=spec.dtype, kv_data_type=spec.dtype)
+    if metadata is None:
+        wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, **shape)
+    else:
+        wrapper.plan(metadata=metadata.csr(qo_indptr, kv_indptr, kv_indices, kv_lens), query_layout="split",
+                     kv_cache_layout="split", lse_mode="basee", **shape)
+
+
+def _run_mla(wrapper: Any, metadata: Any, q: torch.Tensor, kv: torch.Tensor, o: torch.Tensor,
+             lse: torch.Tensor) -> None:
+    """Run one planned MLA wrapper: q (T, H, D), kv (P, page, D) -> o (T, H, Dv), lse (T, H) natural log, in place."""
+    dv = o.shape[-1]
+    query, cache = (q[..., :dv], q[..., dv:]), (kv[..., :dv], kv[..., dv:])
+    if metadata is None:
+        wrapper.run(*query, *cache, out=o, lse=lse, return_lse=True, return_lse_base_on_e=True)
+    else:
+        wrapper.run(query=query, kv_cache=cache, out=o, lse=lse, return_lse=True, return_lse_base_on_e=True)
 
 
 @dataclass(frozen=True)
@@ -152,6 +205,7 @@ class FlashInferBackend(AttentionBackend):
         # Where FlashInfer's causal MLA kernel is exact, by its row tile (all True for GQA: another kernel).
         self._exact = {t: not self._mla or _causal_mla_exact(spec.num_heads, t) for t in (64, 128)}
         self._workspace: torch.Tensor | None = None
+        self._num_sm = 0  # the device's SM count, read with the first wrappers
         # Capture mode: one set per batch size, for GQA per (B, T): FlashInfer's prefill wrappers
         # in CUDA-graph mode fix their row count at the first plan (MLA's do not).
         self._by_batch: dict[int | tuple[int, int], _Wrappers] = {}
@@ -185,10 +239,13 @@ class FlashInferBackend(AttentionBackend):
         # The MLA kernels _causal_mla_exact models, chosen as FlashInfer 0.5.3's "auto" does: later
         # releases' "auto" may pick others (trtllm-gen, cute-dsl on sm100) with other tiling.
         mla_kernel = "fa3" if self._mla and fi.utils.is_sm90a_supported(torch.device(dev)) else "fa2"
+        self._num_sm = fi.utils.get_device_sm_count(torch.device(dev))
+        metadata = getattr(fi.mla, "MLAPlanMetadata", None)
         if b is None:
             if self._mla:
                 return _Wrappers(fi.mla.BatchMLAPagedAttentionWrapper(ws, backend=mla_kernel),
-                                 fi.mla.BatchMLAPagedAttentionWrapper(ws, backend=mla_kernel))
+                                 fi.mla.BatchMLAPagedAttentionWrapper(ws, backend=mla_kernel),
+                                 mla_metadata=metadata)
             return _Wrappers(
                 fi.prefill.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD"),
                 fi.prefill.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD"),
@@ -203,7 +260,7 @@ class FlashInferBackend(AttentionBackend):
                     kv_len_arr=torch.zeros(b, **i32), backend=mla_kernel,
                 )
 
-            return _Wrappers(mla(lim.max_pages), mla(lim.max_tokens), rows)
+            return _Wrappers(mla(lim.max_pages), mla(lim.max_tokens), rows, mla_metadata=metadata)
         ctx = fi.prefill.BatchPrefillWithPagedKVCacheWrapper(
             ws, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros(b + 1, **i32),
             paged_kv_indptr_buf=torch.zeros(b + 1, **i32), paged_kv_indices_buf=torch.zeros(lim.max_pages, **i32),
@@ -256,14 +313,18 @@ class FlashInferBackend(AttentionBackend):
             )
         plan_query = plan_query and query_kernel
         if self._mla:
-            dv, dr = s.head_dim_v, s.head_dim - s.head_dim_v
+            # Checked where any rank has context, so every rank refuses alike.
+            if self.limits.given or plan.max_context_len > 0:
+                self._check_works("context", plan, self._ctx_heads)
+            if plan_query:
+                self._check_works("query", plan, s.num_heads)
             if context:
-                w.ctx.plan(qsl, page_indptr, page_indices, plan.local_context_lens, self._ctx_heads, dv, dr,
-                           plan.page_size, False, scale, dt, dt)
+                _plan_mla(w.ctx, w.mla_metadata, qsl, page_indptr, page_indices, plan.local_context_lens,
+                          self._ctx_heads, plan.page_size, False, s)
             if plan_query:
                 # The fresh K/V as a cache of one-token pages: page i is token i.
                 tok = torch.arange(plan.num_tokens, dtype=torch.int32, device=qsl.device)
-                w.qry.plan(qsl, qsl, tok, plan.q_lens, s.num_heads, dv, dr, 1, True, scale, dt, dt)
+                _plan_mla(w.qry, w.mla_metadata, qsl, qsl, tok, plan.q_lens, s.num_heads, 1, True, s)
         else:
             if context:
                 w.ctx.plan(qsl, page_indptr, page_indices, last_page_lens(plan), self._ctx_heads, s.num_kv_heads,
@@ -279,6 +340,16 @@ class FlashInferBackend(AttentionBackend):
             empty = buf
         w.generation += 1
         return FlashInferState(w, w.generation, empty, context, query_kernel)
+
+    def _check_works(self, name: str, plan: StepPlan, heads: int) -> None:
+        works = _mla_work_bound(plan.num_tokens, plan.batch_size, heads, self._num_sm)
+        if works > _MLA_MAX_WORKS:
+            raise ValueError(
+                f"expected a step within FlashInfer's MLA planner ({_MLA_MAX_WORKS} work items), got up to {works} "
+                f"for the {name} pass at {plan.num_tokens} tokens x {heads} heads over {plan.batch_size} requests: "
+                f"FlashInfer 0.5.3 writes past its buffers there (wrong results) and later releases refuse; plan "
+                f"fewer tokens per step, or take another backend for such steps"
+            )
 
     def invalidate_plans(self) -> None:
         for w in [self._shared, *self._by_batch.values()]:
@@ -312,8 +383,7 @@ class FlashInferBackend(AttentionBackend):
         lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
         if self._mla:
             kv = k_cache[:, :, 0]  # (P, page, D): the one latent head
-            st.wrappers.ctx.run(q[..., :dv], q[..., dv:], kv[..., :dv], kv[..., dv:], out=o, lse=lse,
-                                return_lse=True, return_lse_base_on_e=True)
+            _run_mla(st.wrappers.ctx, st.wrappers.mla_metadata, q, kv, o, lse)
             return mask_empty_rows(o, lse, st.empty_rows)
         st.wrappers.ctx.run(q, (k_cache, v_cache), out=o, lse=lse, return_lse=True)
         lse.mul_(LN2)
@@ -331,9 +401,7 @@ class FlashInferBackend(AttentionBackend):
         o = q.new_empty((t, h, dv))
         lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
         if self._mla:
-            # k: (T, 1, D) -> pages of one token: ckv (T, 1, Dv), kpe (T, 1, D - Dv).
-            st.wrappers.qry.run(q[..., :dv], q[..., dv:], k[..., :dv], k[..., dv:], out=o, lse=lse,
-                                return_lse=True, return_lse_base_on_e=True)
+            _run_mla(st.wrappers.qry, st.wrappers.mla_metadata, q, k, o, lse)  # k (T, 1, D): pages of one token
             return o, lse
         st.wrappers.qry.run(q, k, v, out=o, lse=lse, return_lse=True)
         return o, lse.mul_(LN2)
