@@ -35,10 +35,13 @@
 #                                           # check, the README's demo on the GPU), a call each
 #   bash benchmarks/gpu_verify.sh capture   # one GPU: kernel tests, the kernel with and without a causal mask,
 #                                           # the layer's graph, tree, NaN and empty-row tests
+#   bash benchmarks/gpu_verify.sh capacity  # one GPU: FlashInfer's MLA planner past 16384 work items, the layer's refusal
+#   bash benchmarks/gpu_verify.sh release VERSION  # one GPU, another FlashInfer release (fi_release_pack.sh): the
+#                                           # capacity probe, FlashInfer's tests of the one-GPU test file, check
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
-part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|bench|tests|layer|heads|recheck|main|model|capture|suite}
+part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|bench|tests|layer|heads|recheck|main|model|capture|suite|capacity|release}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export MAX_JOBS=16 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TQDM_MININTERVAL=30
@@ -51,8 +54,17 @@ stamp() { echo "=== [$(( $(date +%s) - t0 )) s] $*"; }
 keep128="(not head_counts or (mla-128x1 and chain))"
 
 stamp install
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD
+site=/tmp/site
+wheels=(.whl/*.whl)
+if [ "$part" = release ]; then  # another FlashInfer release, from benchmarks/fi_release_pack.sh, in place of 0.5.3
+  ver=${2:?usage: gpu_verify.sh release VERSION}
+  site=/tmp/site-$ver
+  wheels=($(ls .whl/*.whl | grep -v flashinfer_python))
+  mkdir -p "$site" && tar -C "$site" -xJf ".whl/flashinfer-$ver.tar.xz"
+  export FLASHINFER_WORKSPACE_BASE=/tmp/fi-$ver  # its own JIT cache
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}"
+export PYTHONPATH=$site:$PWD
 python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0))"
 
 # Wait on our own pids only: a bare `wait` also waits for the tee above, which never ends (it hung a whole call).
@@ -81,7 +93,22 @@ jit_wait() {  # the FlashInfer builds started by jit
   grep -h "ready\|Error" "$OUT/jit.log" | tail -n 8
 }
 
-if [ "$part" = grid ]; then
+if [ "$part" = capacity ] || [ "$part" = release ]; then
+  [ "$part" = release ] && jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
+  stamp "FlashInfer's MLA planner past 16384 work items, and the layer's refusal (log: capacity.log)"
+  timeout 200 python3 benchmarks/fi_mla_capacity_probe.py --out "$OUT/fi_mla_capacity.json" > "$OUT/capacity.log" 2>&1
+  echo "rc=$?"; tail -16 "$OUT/capacity.log" | cut -c 1-300
+  if [ "$part" = release ]; then
+    jit_wait
+    stamp "FlashInfer's tests of the one-GPU test file (128 heads kept), check meanwhile (log: gpu_tests.log)"
+    check_start 300
+    timeout 330 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
+      -k "flashinfer and $keep128" --timeout 200 > "$OUT/gpu_tests.log" 2>&1
+    grep -v "^SKIPPED" "$OUT/gpu_tests.log" | grep -v "^  \|^$" | tail -24
+    echo "FlashInfer deprecation warnings: $(grep -ci "deprecat" "$OUT/gpu_tests.log")"
+    check_report
+  fi
+elif [ "$part" = grid ]; then
   jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
   stamp "fused kernel launch-shape sweep, Q=4 (FlashInfer builds in the background)"
   prev=(); [ -f benchmarks/_query_merge_prev.py ] && prev=(--prev benchmarks/_query_merge_prev.py)
