@@ -35,9 +35,12 @@
 #                                           # check, the README's demo on the GPU), a call each
 #   bash benchmarks/gpu_verify.sh capture   # one GPU: kernel tests, the kernel with and without a causal mask,
 #                                           # the layer's graph, tree, NaN and empty-row tests
-#   bash benchmarks/gpu_verify.sh capacity  # one GPU: FlashInfer's MLA planner past 16384 work items, the layer's refusal
-#   bash benchmarks/gpu_verify.sh release VERSION  # one GPU, another FlashInfer release (fi_release_pack.sh): the
-#                                           # capacity probe, FlashInfer's tests of the one-GPU test file, check
+#   bash benchmarks/gpu_verify.sh capacity  # one GPU: FlashInfer's MLA planner past 16384 work items, the layer's
+#                                           # refusal, bench at B = 32, Q = 4 with FlashInfer
+#   bash benchmarks/gpu_verify.sh release VERSION [EXPR]  # the same with another FlashInfer release (from
+#                                           # fi_release_pack.sh), and between them FlashInfer's tests of the
+#                                           # one-GPU test file (-k "flashinfer and (EXPR)", by default all but
+#                                           # the head counts other than 128) and check
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
@@ -94,20 +97,28 @@ jit_wait() {  # the FlashInfer builds started by jit
 }
 
 if [ "$part" = capacity ] || [ "$part" = release ]; then
-  [ "$part" = release ] && jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
-  stamp "FlashInfer's MLA planner past 16384 work items, and the layer's refusal (log: capacity.log)"
-  timeout 200 python3 benchmarks/fi_mla_capacity_probe.py --out "$OUT/fi_mla_capacity.json" > "$OUT/capacity.log" 2>&1
-  echo "rc=$?"; tail -16 "$OUT/capacity.log" | cut -c 1-300
+  tag=${ver:-0.5.3}
+  if [ "$part" = release ]; then  # the GQA builds (~110 s) only where the tests take GQA
+    case "${3:-gqa}" in *gqa*) jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16" ;; *) jit "mla bfloat16" ;; esac
+  fi
+  stamp "FlashInfer $tag's MLA planner past 16384 work items, and the layer's refusal (log: capacity_$tag.log)"
+  timeout 200 python3 benchmarks/fi_mla_capacity_probe.py --out "$OUT/fi_mla_capacity_$tag.json" \
+    > "$OUT/capacity_$tag.log" 2>&1
+  echo "rc=$?"; tail -16 "$OUT/capacity_$tag.log" | cut -c 1-300
   if [ "$part" = release ]; then
+    tests=${3:-$keep128}
     jit_wait
-    stamp "FlashInfer's tests of the one-GPU test file (128 heads kept), check meanwhile (log: gpu_tests.log)"
+    stamp "FlashInfer's tests of the one-GPU test file, -k \"flashinfer and ($tests)\", check meanwhile"
     check_start 300
     timeout 330 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
-      -k "flashinfer and $keep128" --timeout 200 > "$OUT/gpu_tests.log" 2>&1
-    grep -v "^SKIPPED" "$OUT/gpu_tests.log" | grep -v "^  \|^$" | tail -24
-    echo "FlashInfer deprecation warnings: $(grep -ci "deprecat" "$OUT/gpu_tests.log")"
+      -k "flashinfer and ($tests)" --timeout 200 > "$OUT/gpu_tests_$tag.log" 2>&1
+    grep -v "^SKIPPED" "$OUT/gpu_tests_$tag.log" | grep -v "^  \|^$" | tail -24
+    echo "FlashInfer deprecation warnings: $(grep -ci "deprecat" "$OUT/gpu_tests_$tag.log")"
     check_report
   fi
+  stamp "bench with FlashInfer $tag: B = 32, Q = 4, 16 and 128 heads"
+  timeout 200 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K,128K --q-len 4 --heads 16,128 \
+    --backends flashinfer --methods twostage,onepass,expand,floor --out "$OUT/bench_b32_$tag.json" 2>&1 | tail -24
 elif [ "$part" = grid ]; then
   jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
   stamp "fused kernel launch-shape sweep, Q=4 (FlashInfer builds in the background)"
