@@ -40,7 +40,7 @@
 #   bash benchmarks/gpu_verify.sh release VERSION [EXPR]  # the same with another FlashInfer release (from
 #                                           # fi_release_pack.sh), and between them FlashInfer's tests of the
 #                                           # one-GPU test file (-k "flashinfer and (EXPR)", by default all but
-#                                           # the head counts other than 128) and check
+#                                           # the head counts other than 128) and check; BENCH=0: no bench
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
@@ -116,6 +116,7 @@ if [ "$part" = capacity ] || [ "$part" = release ]; then
     echo "FlashInfer deprecation warnings: $(grep -ci "deprecat" "$OUT/gpu_tests_$tag.log")"
     check_report
   fi
+  [ "${BENCH:-1}" = 1 ] || { stamp done; exit 0; }
   stamp "bench with FlashInfer $tag: B = 32, Q = 4, 16 and 128 heads"
   timeout 200 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K,128K --q-len 4 --heads 16,128 \
     --backends flashinfer --methods twostage,onepass,expand,floor --out "$OUT/bench_b32_$tag.json" 2>&1 | tail -24

@@ -197,7 +197,8 @@ def test_head_counts(name, fuse, tree, fmt, heads, kv_heads, dim):
 def test_head_counts_flashinfer_mla_half_empty_batch(heads):
     """Half the requests empty, as an engine pads a batch: FlashInfer's causal MLA kernel then takes 64-row
     tiles, and past 64 heads its first tile reads no key (docs/backends.md). The backend's own query pass
-    stays exact; forced onto the kernel it is wrong past 64 heads (else the rule, not the kernel, is off)."""
+    stays exact; forced onto the kernel it is wrong past 64 heads, or refused there by FlashInfer releases that
+    check the same bound (else the rule, not the kernel, is off)."""
     cfg = _config("mla", heads, 64)
     if "flashinfer" not in _serving(cfg, torch.bfloat16):
         pytest.skip("flashinfer does not serve MLA here")
@@ -206,7 +207,13 @@ def test_head_counts_flashinfer_mla_half_empty_batch(heads):
     out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
     _check(step, cfg, torch.bfloat16, out, lse, f"flashinfer mla {heads} heads, half the requests empty")
     attn.backend._exact = {64: True, 128: True}  # FlashInfer's kernel at every step, then a plan that takes it
-    out = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, attn.plan(x.query_start_loc, x.seq_lens, x.block_table))
+    try:
+        forced = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    except Exception as e:  # FlashInfer 0.7.4 refuses the plan where its kernel would lose a key (0.5.3 runs it)
+        print(f"FlashInfer's causal MLA kernel alone at {heads} heads, half the requests empty: refused ({e})")
+        assert heads > 64 and "causal tile boundary is unsupported" in str(e), f"{heads} heads: {e}"
+        return
+    out = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, forced)
     _, rel, _ = verdict(out, synthetic.oracle(step, cfg.scale)[0], torch.bfloat16)
     print(f"FlashInfer's causal MLA kernel alone at {heads} heads, half the requests empty: rel err {rel:.2e}")
     assert (rel > 0.1) == (heads > 64), f"{heads} heads: rel err {rel:.2e}"
