@@ -97,7 +97,7 @@ jit_wait() {  # the FlashInfer builds started by jit
 }
 
 if [ "$part" = capacity ] || [ "$part" = release ]; then
-  tag=${ver:-0.5.3}
+  tag=$(python3 -c "import flashinfer; print(flashinfer.__version__)")
   if [ "$part" = release ]; then  # the GQA builds (~110 s) only where the tests take GQA
     case "${3:-gqa}" in *gqa*) jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16" ;; *) jit "mla bfloat16" ;; esac
   fi

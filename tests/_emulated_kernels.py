@@ -430,10 +430,14 @@ class _MLAWrapperKeywords(_MLAWrapper):
         assert isinstance(metadata, _MLAPlanMetadata) and (query_layout, kv_cache_layout) == ("split", "split")
         self._lse_mode = lse_mode
         m = metadata
+        if self._graph:  # 0.7.4 wants the graph buffers of exactly the metadata's shapes (kv_indices: at least)
+            qo, kp, _, kl = self._bufs
+            assert (qo.shape, kp.shape, kl.shape) == (m.qo_indptr.shape, m.kv_indptr.shape, m.kv_len_arr.shape)
         super().plan(m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_len_arr, **shape)
 
     def run(self, *args, query, kv_cache, return_lse_base_on_e=False, **kw):
         assert not args, "positional run() arguments, or q_nope / ckv_cache: deprecated in FlashInfer 0.7"
+        assert isinstance(query, tuple) and isinstance(kv_cache, tuple)  # 0.7.4's split form: tuples only
         # As FlashInfer: the run's lse must be the one the plan declared.
         assert self._lse_mode == ("basee" if return_lse_base_on_e else "base2")
         return super().run(*query, *kv_cache, return_lse_base_on_e=return_lse_base_on_e, **kw)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 
 import pytest
@@ -698,5 +699,76 @@ def test_flashinfer_refuses_steps_past_the_mla_planners_capacity(emulated, heads
             assert backend.plan(plan).wrappers.ctx._planned == (rank == 0)
             continue
         with pytest.raises(ValueError, match=r"within FlashInfer's MLA planner \(16384 work items\), got up to "
-                                             r"16387 for the context pass at 16320 tokens x 128 heads"):  # fmt: skip
+                                             r"16387 for the context pass at 16320 tokens x 128 heads "
+                                             r"\(64 x 2 ranks\) in 1 request"):  # fmt: skip
             backend.plan(plan)
+
+
+def test_flashinfer_refuses_a_query_pass_past_the_mla_planners_capacity(emulated):
+    """A first prefill chunk (no context on any rank): only FlashInfer's own query pass would run, at the rank's
+    128 heads, and it is the one refused; with the query pass fused, nothing reaches FlashInfer."""
+    cfg = _config(True, 64, 128)
+    for rank in (0, 1):
+        table = torch.zeros(1, 260, dtype=torch.int32)
+        plan = plan_step(torch.tensor([0, 16320], dtype=torch.int32), torch.tensor([16320]), table, page_size=64,
+                         layout=DCPLayout(2, rank, 64))  # fmt: skip
+        spec = AttentionSpec("mla", 128, 1, cfg.head_dim, cfg.head_dim_v, 64, 2, cfg.scale, torch.float32,
+                             torch.device("cpu"))  # fmt: skip
+        backend = FlashInferBackend(spec)
+        with pytest.raises(ValueError, match=r"got up to 16387 for the query pass at 16320 tokens x 128 heads in"):
+            backend.plan(plan)
+        backend.query_pass = False
+        assert backend.plan(plan).wrappers is not None
+
+
+def _mlaplan_works(q_lens: list[int], kv_lens: list[int], heads: int, num_sm: int, causal: bool) -> int:
+    """The work items of FlashInfer's MLAPlan (scheduler.cuh, 0.5.3 and 0.7.4 alike): a tile of packed rows
+    each, times its key splits."""
+    cluster = 2 if sum(q_lens) * heads // len(q_lens) > 64 else 1
+    tile, clusters = 64 * cluster, num_sm // cluster
+    keys = []  # per tile: the keys it reads (packed_causal_kv_end where causal)
+    for q, kv in zip(q_lens, kv_lens):
+        n = -(-q * heads // tile)
+        keys += [max(min(kv - q + -(-(i + 1) * tile // heads), kv), 0) if causal and i + 1 < n else kv
+                 for i in range(n)]  # fmt: skip
+    avg = max(-(-sum(keys) // clusters), 1)
+    limit = 32 if avg <= 8 else 64 if avg <= 16 else 128 if avg <= 32 else 192 if avg <= 64 else -(-avg // 256) * 256
+    return sum(max(1, -(-k // limit)) for k in keys)
+
+
+def test_mla_work_bound_is_an_upper_bound_of_the_planners_count():
+    gen = random.Random(0)
+    tight = 0
+    for _ in range(4000):
+        b = gen.randint(1, 40)
+        heads = gen.choice([1, 3, 16, 40, 64, 100, 128, 256, 1024])
+        q = [gen.choice([0, 1, 2, 4, 7, 16, gen.randint(0, 300)]) for _ in range(b)]
+        q[0] = max(q[0], 1)
+        causal = gen.random() < 0.5
+        kv = list(q) if causal else [gen.choice([0, 1, 63, 64, 1000, gen.randint(0, 300000)]) for _ in range(b)]
+        num_sm = gen.choice([8, 108, 132])
+        works, bound = _mlaplan_works(q, kv, heads, num_sm, causal), fi_backend._mla_work_bound(sum(q), b, heads,
+                                                                                                num_sm)  # fmt: skip
+        assert works <= bound, (q, kv, heads, num_sm, causal)
+        tight = max(tight, works - bound)
+    assert tight >= -1  # the bound is within one work item of some step's count
+
+
+def test_a_plan_flashinfer_refuses_halfway_ends_the_earlier_plan(emulated):
+    """FlashInfer 0.7.4 refuses some plans (a causal tile boundary, int32 ranges): where the query pass's plan
+    fails after the context pass's was replaced, an earlier step's plan must not run on that wrapper."""
+    cfg = _config(True, 16)
+    step = synthetic.make_step([10, 30], [2, 2], heads=4, head_dim=80, head_dim_v=64, seed=1)
+    x = synthetic.rank_inputs(step, DCPLayout(), 16, mla=True, dtype=torch.float32, device="cpu")
+    attn = _layer("flashinfer", cfg, DCPLayout())
+    old = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    qry = old.backend_state.wrappers.qry
+
+    def refuse(*args, **kw):
+        raise RuntimeError("causal tile boundary is unsupported")
+
+    qry.plan = refuse
+    with pytest.raises(RuntimeError, match="causal tile boundary"):
+        attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    with pytest.raises(ValueError, match="latest plan"):
+        attn(x.q, x.k, None, x.k_cache, None, old)

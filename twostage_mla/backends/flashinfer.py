@@ -95,11 +95,12 @@ _MLA_MAX_WORKS = 16384
 
 
 def _mla_work_bound(tokens: int, batch: int, heads: int, num_sm: int) -> int:
-    """An upper bound of the work items FlashInfer's MLA planner makes for one pass, the same on every rank.
+    """An upper bound of the work items FlashInfer's MLA planner makes for one pass, from the step's tokens,
+    requests and heads alone: the same on every rank of GPUs alike (num_sm).
 
     MLAPlan cuts each request's packed rows (query x head) into tiles of 64 rows, or 128 where the
     batch averages over 64, and splits a tile's keys where they exceed sum(keys) / clusters: at most
-    one tile per request more than tokens * heads / tile, and splits add at most one work per cluster.
+    one tile per request more than tokens * heads / tile, and splits add fewer than one work per cluster.
     """
     cluster = 2 if tokens * heads // batch > 64 else 1
     return tokens * heads // (64 * cluster) + batch + num_sm // cluster
@@ -312,6 +313,9 @@ class FlashInferBackend(AttentionBackend):
                 f"{s.num_heads} heads, and {_DENSE_UNDER_LIMITS}"
             )
         plan_query = plan_query and query_kernel
+        # The wrappers' earlier plans end here, also where FlashInfer refuses this one halfway (0.7.4 refuses
+        # some plans): a state of an earlier step must not run on a half-replanned wrapper.
+        w.generation += 1
         if self._mla:
             # Checked where any rank has context, so every rank refuses alike.
             if self.limits.given or plan.max_context_len > 0:
@@ -338,17 +342,18 @@ class FlashInferBackend(AttentionBackend):
             buf = w.empty_rows[: plan.num_tokens]
             buf.copy_(empty if empty is not None else torch.zeros_like(buf))
             empty = buf
-        w.generation += 1
         return FlashInferState(w, w.generation, empty, context, query_kernel)
 
     def _check_works(self, name: str, plan: StepPlan, heads: int) -> None:
         works = _mla_work_bound(plan.num_tokens, plan.batch_size, heads, self._num_sm)
         if works > _MLA_MAX_WORKS:
+            n = plan.layout.world_size
+            seen = f"{heads} heads ({heads // n} x {n} ranks)" if name == "context" and n > 1 else f"{heads} heads"
             raise ValueError(
                 f"expected a step within FlashInfer's MLA planner ({_MLA_MAX_WORKS} work items), got up to {works} "
-                f"for the {name} pass at {plan.num_tokens} tokens x {heads} heads over {plan.batch_size} requests: "
-                f"FlashInfer 0.5.3 writes past its buffers there (wrong results) and later releases refuse; plan "
-                f"fewer tokens per step, or take another backend for such steps"
+                f"for the {name} pass at {plan.num_tokens} tokens x {seen} in {plan.batch_size} request(s): "
+                f"FlashInfer 0.5.3 writes past its buffers there (NaN or a fault, no error) and later releases "
+                f"refuse; plan fewer tokens per step, or take another backend for such steps"
             )
 
     def invalidate_plans(self) -> None:
