@@ -94,6 +94,12 @@ _WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-
 _MLA_MAX_WORKS = 16384
 
 
+def _mla_row_tile(tokens: int, batch: int, heads: int) -> int:
+    """Packed rows (query x head) per tile of FlashInfer's MLA kernel for a pass of tokens x heads over batch
+    requests: its MLAPlan (scheduler.cuh) takes clusters of two 64-row CTAs where the batch averages over 64."""
+    return 128 if tokens * heads // batch > 64 else 64
+
+
 def _mla_work_bound(tokens: int, batch: int, heads: int, num_sm: int) -> int:
     """An upper bound of the work items FlashInfer's MLA planner makes for one pass, from the step's tokens,
     requests and heads alone: the same on every rank of GPUs alike (num_sm).
@@ -102,8 +108,8 @@ def _mla_work_bound(tokens: int, batch: int, heads: int, num_sm: int) -> int:
     batch averages over 64, and splits a tile's keys where they exceed sum(keys) / clusters: at most
     one tile per request more than tokens * heads / tile, and splits add fewer than one work per cluster.
     """
-    cluster = 2 if tokens * heads // batch > 64 else 1
-    return tokens * heads // (64 * cluster) + batch + num_sm // cluster
+    tile = _mla_row_tile(tokens, batch, heads)
+    return tokens * heads // tile + batch + num_sm // (tile // 64)
 
 
 def _pages_on_rank0(plan: StepPlan) -> int:
@@ -221,11 +227,6 @@ class FlashInferBackend(AttentionBackend):
             )
         super().use_query_pass(on)
 
-    def _row_tile(self, plan: StepPlan) -> int:
-        """Packed rows (query x head) per tile of FlashInfer's MLA kernel at this step: its MLAPlan
-        (scheduler.cuh) takes clusters of two 64-row CTAs where the batch averages over 64 rows."""
-        return 128 if plan.num_tokens * self.spec.num_heads // plan.batch_size > 64 else 64
-
     # -- wrappers -------------------------------------------------------------
 
     def _ws(self) -> torch.Tensor:
@@ -303,7 +304,7 @@ class FlashInferBackend(AttentionBackend):
         context = self.limits.given or plan.max_local_context_len > 0
         # Tree masks take the base class's dense query pass: no query kernel to plan then.
         plan_query = plan.query_mask is None and self.query_pass
-        tile = self._row_tile(plan)
+        tile = _mla_row_tile(plan.num_tokens, plan.batch_size, s.num_heads)
         query_kernel = self._exact[tile]
         if plan_query and not query_kernel and self.limits.given:  # e.g. 128 heads, half the requests empty
             raise ValueError(
