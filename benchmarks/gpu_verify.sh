@@ -41,6 +41,7 @@
 #                                           # fi_release_pack.sh), and between them FlashInfer's tests of the
 #                                           # one-GPU test file (-k "flashinfer and (EXPR)", by default all but
 #                                           # the head counts other than 128) and check; BENCH=0: no bench
+# FI=VERSION before any part runs it with that FlashInfer release (from fi_release_pack.sh) in place of 0.5.3.
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
@@ -59,8 +60,9 @@ keep128="(not head_counts or (mla-128x1 and chain))"
 stamp install
 site=/tmp/site
 wheels=(.whl/*.whl)
-if [ "$part" = release ]; then  # another FlashInfer release, from benchmarks/fi_release_pack.sh, in place of 0.5.3
-  ver=${2:?usage: gpu_verify.sh release VERSION}
+ver=${FI:-}
+[ "$part" = release ] && ver=${2:?usage: gpu_verify.sh release VERSION}
+if [ -n "$ver" ]; then  # another FlashInfer release, from benchmarks/fi_release_pack.sh, in place of 0.5.3
   site=/tmp/site-$ver
   wheels=($(ls .whl/*.whl | grep -v flashinfer_python))
   mkdir -p "$site" && tar -C "$site" -xJf ".whl/flashinfer-$ver.tar.xz"
