@@ -26,8 +26,9 @@ MLA:
                  at plan time, on every rank alike (ValueError).
   API            0.5.3's flat positional plan, or where the release has
                  flashinfer.mla.MLAPlanMetadata (0.7.0, 0.7.1, 0.7.2,
-                 0.7.2.post1 and 0.7.4 ran) its keyword form with the lse mode fixed at plan
-                 time: the flat form only warns (deprecated) there.
+                 0.7.2.post1 and 0.7.4 ran) its keyword form with the lse
+                 mode fixed at plan time: the flat form only warns
+                 (deprecated) there.
 GQA:
   context pass   BatchPrefillWithPagedKVCacheWrapper (NHD), non-causal.
   query pass     BatchPrefillWithRaggedKVCacheWrapper, causal.
