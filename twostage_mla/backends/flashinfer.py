@@ -24,7 +24,8 @@ MLA:
                  past its buffers beyond them. A pass that might need more
                  (about 2M packed rows: 16K tokens at 128 heads) is refused
                  at plan time, on every rank alike (ValueError).
-  API            0.5.3's flat positional plan, or where the release has
+  API            0.5.3's flat positional plan (0.6.0, 0.6.9 and
+                 0.6.18.post1 ran it too), or where the release has
                  flashinfer.mla.MLAPlanMetadata (0.7.0, 0.7.1, 0.7.2,
                  0.7.2.post1 and 0.7.4 ran) its keyword form with the lse
                  mode fixed at plan time: the flat form only warns
