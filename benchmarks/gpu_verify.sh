@@ -74,11 +74,12 @@ python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 
 
 # Wait on our own pids only: a bare `wait` also waits for the tee above, which never ends (it hung a whole call).
 pids=()
+# FlashInfer's builds, one after another in one background job: FlashInfer runs every module's ninja in one
+# directory with one deps log, which builds at once damage, so the tests rebuilt what they had just built
+# (benchmarks/jit_probe.sh, session 47).
 jit() {
-  for w in "$@"; do
-    timeout 300 python3 benchmarks/jit_warm.py $w >> "$OUT/jit.log" 2>&1 &
-    pids+=($!)
-  done
+  (for w in "$@"; do timeout 300 python3 benchmarks/jit_warm.py $w; done >> "$OUT/jit.log" 2>&1) &
+  pids+=($!)
 }
 
 kernel_tests() {  # the Triton kernels' tests on CUDA
@@ -246,11 +247,10 @@ elif [ "$part" = layer ]; then
   grep -v "^SKIPPED" "$OUT/gpu_tests.log" | grep -v "^  \|^$" | tail -30
   check_report
 elif [ "$part" = heads ]; then
-  # Besides the warm-up builds, FlashInfer builds a module on the first call of some head counts
-  # (GQA 1 x 1, 4 x 4, 16 x 1, MLA 1 head: 20 - 70 s each). Session 19 on a fresh H200: `heads mla`
-  # (chains and trees) 85 s; `heads "chain and gqa"` 385 s, of which 150 s warm-up and three 65 - 73 s
-  # builds of GQA's own query pass. So one format a call: `heads mla`, then `heads gqa` (the GQA trees
-  # add no query-pass build: a tree step's query pass is the dense one).
+  # Until session 47 the GQA warm-ups ran at once and damaged FlashInfer's deps log, so the first test at
+  # each head dim rebuilt its module (55 - 86 s each; jit_warm's docstring). Session 19 on a fresh H200:
+  # `heads mla` (chains and trees) 85 s; `heads "chain and gqa"` 385 s, of which 150 s warm-up and three
+  # such rebuilds. So one format a call: `heads mla`, then `heads gqa`.
   filter=${2:-mla}
   case "$filter" in  # build only what the filter runs: the GQA builds take up to ~220 s
     *mla*) jit "mla bfloat16" ;;

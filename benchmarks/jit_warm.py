@@ -5,9 +5,10 @@
     python3 benchmarks/jit_warm.py gqa bfloat16 --head-dim 256   # the same at another head dim
 
 Runs one tiny layer call through the flashinfer backend; FlashInfer caches
-what it compiles (~/.cache/flashinfer), so later processes should only load
-it. On the GPU machine some later processes rebuilt these modules anyway
-(the cause not found; docs/backends.md, "0.6.0 and 0.6.9").
+what it compiles (~/.cache/flashinfer), so later processes only load it.
+Run one at a time: FlashInfer runs every module's ninja in one directory,
+with one deps log, and builds at once damage it, so that later processes
+rebuild (benchmarks/jit_probe.sh; docs/backends.md, "0.6.0 and 0.6.9").
 """
 
 import argparse
