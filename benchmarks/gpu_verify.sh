@@ -253,7 +253,7 @@ elif [ "$part" = layer ]; then
   check_report
 elif [ "$part" = heads ]; then
   # Until session 47 the GQA warm-ups ran at once and damaged FlashInfer's deps log, so the first test at
-  # each head dim rebuilt its module (55 - 86 s each; jit_warm's docstring). Session 19 on a fresh H200:
+  # each head dim rebuilt its module (55 - 86 s each; docs/backends.md). Session 19 on a fresh H200:
   # `heads mla` (chains and trees) 85 s; `heads "chain and gqa"` 385 s, of which 150 s warm-up and three
   # such rebuilds. So one format a call: `heads mla`, then `heads gqa`.
   filter=${2:-mla}
