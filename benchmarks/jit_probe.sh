@@ -4,14 +4,16 @@
 #                                                   # head dims 64, 128 and 256 in turn, or all at once
 # Then the tests that rebuilt the modules on the H100 (session 46). After each step: ninja's own account of
 # what it would rebuild, per module, and checksums of the generated sources and build files. Set
-# FLASHINFER_WORKSPACE_BASE to start from an empty JIT cache. Logs land in $OUT.
+# FLASHINFER_WORKSPACE_BASE to start from an empty JIT cache. Logs land in $OUT. For FlashInfer 0.5.3 and
+# 0.6.0, which run every module's ninja from cached_ops (0.6.9 runs it from each module's directory).
 # Session 47 (H100, FlashInfer 0.5.3): `par` left ninja's shared deps log short ("premature end of file")
 # and the tests rebuilt all three modules (55 - 64 s each); `one` and `ser` left nothing to rebuild.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 exec > >(tee -a "$OUT/jit_probe.log") 2>&1
 site=/tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+# Once per machine, as in gpu_verify.sh: a reinstall renews the headers' times, and ninja then rebuilds.
+[ -d "$site/flashinfer" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl
 export PYTHONPATH=$site:$PWD MAX_JOBS=16 PYTHONUNBUFFERED=1
 C=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_JIT_DIR)")
 G=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_GEN_SRC_DIR)")
