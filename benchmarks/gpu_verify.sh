@@ -58,23 +58,9 @@ stamp() { echo "=== [$(( $(date +%s) - t0 )) s] $*"; }
 keep128="(not head_counts or (mla-128x1 and chain))"
 
 stamp install
-site=/tmp/site
-wheels=(.whl/*.whl)
-ver=${FI:-}
+ver=${FI:-}  # another FlashInfer release in place of 0.5.3
 [ "$part" = release ] && ver=${2:?usage: gpu_verify.sh release VERSION}
-if [ -n "$ver" ]; then  # another FlashInfer release, from benchmarks/fi_release_pack.sh, in place of 0.5.3
-  site=/tmp/site-$ver
-  wheels=($(ls .whl/*.whl | grep -v flashinfer_python))
-  export FLASHINFER_WORKSPACE_BASE=/tmp/fi-$ver  # its own JIT cache
-fi
-# Once per machine: installing again renews the headers' times, and ninja then rebuilds every FlashInfer
-# module the calls before had built (pip keeps no file times; session 47).
-if [ "$(cat "$site/.installed" 2>/dev/null)" != "${ver:-} ${wheels[*]}" ]; then
-  [ -n "$ver" ] && mkdir -p "$site" && tar -C "$site" -xJf ".whl/flashinfer-$ver.tar.xz"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}" \
-    && echo "${ver:-} ${wheels[*]}" > "$site/.installed"
-fi
-export PYTHONPATH=$site:$PWD
+source benchmarks/_fi_site.sh
 python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0))"
 
 # Wait on our own pids only: a bare `wait` also waits for the tee above, which never ends (it hung a whole call).

@@ -4,17 +4,17 @@
 #                                                   # head dims 64, 128 and 256 in turn, or all at once
 # Then the tests that rebuilt the modules on the H100 (session 46). After each step: ninja's own account of
 # what it would rebuild, per module, and checksums of the generated sources and build files. Set
-# FLASHINFER_WORKSPACE_BASE to start from an empty JIT cache. Logs land in $OUT. For FlashInfer 0.5.3 and
-# 0.6.0, which run every module's ninja from cached_ops (0.6.9 runs it from each module's directory).
+# FLASHINFER_WORKSPACE_BASE to start from an empty JIT cache (FI=VERSION as in gpu_verify.sh). Logs land in
+# $OUT. For FlashInfer 0.5.3 and 0.6.0, which run every module's ninja from cached_ops (0.6.9 runs it from
+# each module's directory).
 # Session 47 (H100, FlashInfer 0.5.3): `par` left ninja's shared deps log short ("premature end of file")
 # and the tests rebuilt all three modules (55 - 64 s each); `one` and `ser` left nothing to rebuild.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 exec > >(tee -a "$OUT/jit_probe.log") 2>&1
-site=/tmp/site
-# Once per machine, as in gpu_verify.sh: a reinstall renews the headers' times, and ninja then rebuilds.
-[ -d "$site/flashinfer" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl
-export PYTHONPATH=$site:$PWD MAX_JOBS=16 PYTHONUNBUFFERED=1
+ver=${FI:-}
+source benchmarks/_fi_site.sh
+export MAX_JOBS=16 PYTHONUNBUFFERED=1
 C=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_JIT_DIR)")
 G=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_GEN_SRC_DIR)")
 echo "jit dir $C; generated $G; ninja $(command -v ninja) $(ninja --version 2>&1)"
@@ -30,17 +30,16 @@ snap() {  # $1: a tag; checksums of what decides a rebuild, and the .so files' t
 }
 touch /tmp/t0
 dims="64 128 256"
+k="gqa-1x1-d64 or gqa-4x4-d128 or gqa-16x1-d256"  # the tests at those dims that rebuilt in session 46
 case "${MODE:-one}" in
   par)  # as `gpu_verify.sh heads gqa` warmed up until session 47: three head dims at once
     pids=(); for d in $dims; do python3 benchmarks/jit_warm.py gqa bfloat16 --head-dim $d & pids+=($!); done
     wait "${pids[@]}" ;;  # not a bare wait: that also waits for the tee above
   ser) for d in $dims; do python3 benchmarks/jit_warm.py gqa bfloat16 --head-dim $d; done ;;
-  one) dims=64; python3 benchmarks/jit_warm.py gqa bfloat16 --head-dim 64; snap warm0
+  one) k="gqa-1x1-d64"; python3 benchmarks/jit_warm.py gqa bfloat16 --head-dim 64; snap warm0
     /usr/bin/time -f "second warm-up: %e s" python3 benchmarks/jit_warm.py gqa bfloat16 --head-dim 64 ;;
 esac
 snap warm
-k=$(for d in $dims; do printf "gqa-%s or " "$(case $d in 64) echo 1x1-d64;; 128) echo 4x4-d128;; 256) echo 16x1-d256;; esac)"; done)
-k=${k% or }
 /usr/bin/time -f "test: %e s" python3 -m pytest -q -p no:cacheprovider tests/test_backends_gpu.py --durations=3 \
   -k "head_counts and ($k) and flashinfer and backend-query and chain" 2>&1 | tail -6
 snap test
