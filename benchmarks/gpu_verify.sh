@@ -241,7 +241,8 @@ elif [ "$part" = heads ]; then
   # Until session 47 the GQA warm-ups ran at once and damaged FlashInfer's deps log, so the first test at
   # each head dim rebuilt its module (55 - 86 s each; docs/backends.md). Session 19 on a fresh H200:
   # `heads mla` (chains and trees) 85 s; `heads "chain and gqa"` 385 s, of which 150 s warm-up and three
-  # such rebuilds. So one format a call: `heads mla`, then `heads gqa`.
+  # such rebuilds. Session 48 on a fresh H100, warm-ups in turn: `heads gqa` 266 s (warm-ups 213 s, tests
+  # 19 s), then 40 s on the same machine. Still one format a call: `heads mla`, then `heads gqa`.
   filter=${2:-mla}
   case "$filter" in  # build only what the filter runs: the GQA builds take up to ~220 s
     *mla*) jit "mla bfloat16" ;;
