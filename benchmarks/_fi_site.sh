@@ -13,5 +13,7 @@ if [ "$(cat "$site/.installed" 2>/dev/null)" != "${ver:-} ${wheels[*]}" ]; then
   [ -n "${ver:-}" ] && mkdir -p "$site" && tar -C "$site" -xJf ".whl/flashinfer-$ver.tar.xz"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}" \
     && echo "${ver:-} ${wheels[*]}" > "$site/.installed"
+else
+  echo "FlashInfer site $site: installed earlier on this machine, kept"
 fi
 export PYTHONPATH=$site:$PWD
