@@ -26,6 +26,24 @@ def test_demo_json(dtype, tol):
     assert set(report["phase_us"]) >= {"twostage.query_pass", "twostage.context_pass", "twostage.combine"}
 
 
+def test_demo_runs_without_numpy(tmp_path):
+    # torch does not install NumPy, so a bare `pip install twostage-mla` may have none (session 51's
+    # fresh venv); a stand-in package that fails to import hides this machine's from the demo's ranks.
+    (tmp_path / "numpy").mkdir()
+    (tmp_path / "numpy" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'numpy'\")\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    code = "import numpy"
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True).returncode != 0
+    r = subprocess.run(
+        [sys.executable, "-m", "twostage_mla", "demo", "--json", *SMALL],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ok"]
+
 def test_demo_report_and_errors():
     r = demo(
         "--world-size",

@@ -13,6 +13,7 @@ under CUDA graph capture).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 from typing import Any
 
@@ -40,7 +41,13 @@ def digest(*parts: Any) -> int:
     """
     h = hashlib.blake2b(digest_size=8)
     for p in parts:
-        h.update(p.long().cpu().numpy().tobytes() if isinstance(p, torch.Tensor) else repr(p).encode())
+        if isinstance(p, torch.Tensor):
+            # The tensor's own bytes (what .numpy().tobytes() gives), read without NumPy, which torch
+            # does not install: a bare `pip install twostage-mla` has none.
+            t = p.detach().long().cpu().contiguous()
+            h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
+        else:
+            h.update(repr(p).encode())
         h.update(b"|")
     return int.from_bytes(h.digest(), "little", signed=True)
 
