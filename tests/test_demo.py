@@ -31,9 +31,9 @@ def test_demo_runs_without_numpy(tmp_path):
     # fresh venv); a stand-in package that fails to import hides this machine's from the demo's ranks.
     (tmp_path / "numpy").mkdir()
     (tmp_path / "numpy" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'numpy'\")\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    code = "import numpy"
-    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True).returncode != 0
+    path = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    assert subprocess.run([sys.executable, "-c", "import numpy"], env=env, capture_output=True).returncode != 0
     r = subprocess.run(
         [sys.executable, "-m", "twostage_mla", "demo", "--json", *SMALL],
         capture_output=True,
@@ -43,6 +43,7 @@ def test_demo_runs_without_numpy(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["ok"]
+
 
 def test_demo_report_and_errors():
     r = demo(
