@@ -10,9 +10,9 @@ import pytest
 SMALL = ["--batch", "4", "--min-context", "100", "--max-context", "300", "--heads", "4", "--iters", "1"]
 
 
-def demo(*args: str) -> subprocess.CompletedProcess:
+def demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "twostage_mla", "demo", *args], capture_output=True, text=True, timeout=240
+        [sys.executable, "-m", "twostage_mla", "demo", *args], capture_output=True, text=True, timeout=240, env=env
     )
 
 
@@ -34,13 +34,7 @@ def test_demo_runs_without_numpy(tmp_path):
     path = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     assert subprocess.run([sys.executable, "-c", "import numpy"], env=env, capture_output=True).returncode != 0
-    r = subprocess.run(
-        [sys.executable, "-m", "twostage_mla", "demo", "--json", *SMALL],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
+    r = demo("--json", *SMALL, env=env)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["ok"]
 
