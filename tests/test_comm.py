@@ -135,3 +135,20 @@ def test_agree_gathers_every_rank_row_and_refuses_other_kinds():
         comm.agree("plan", [1], None, None)
     with pytest.raises(ValueError, match="a row of up to 4 ints, got 'step', \\[1, 2, 3, 4, 5\\]"):
         comm.agree("step", [1, 2, 3, 4, 5], None, None)
+
+
+def test_digest_reads_the_values_of_a_view_not_its_storage():
+    # The digest reads a tensor's raw bytes (ctypes, no NumPy): a view must hash its own values, at
+    # its offset and stride, and as int64 whatever its integer dtype.
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(-(2**40), 2**40, (8, 3), generator=g)
+    view = base[2:, 1]  # offset and stride: not the storage's first bytes
+    assert comm.digest(view, 7) == comm.digest(view.clone(), 7)
+    assert comm.digest(view, 7) != comm.digest(base[:6, 1], 7)
+    small = torch.randint(-100, 100, (6,), generator=g, dtype=torch.int32)
+    assert comm.digest(small) == comm.digest(small.long())
+    changed = small.clone()
+    changed[-1] += 1
+    assert comm.digest(small) != comm.digest(changed)
+    assert comm.digest(torch.empty(0, dtype=torch.long)) == comm.digest(torch.empty(0, dtype=torch.int32))
+    assert comm.digest(torch.empty(0, dtype=torch.long)) != comm.digest(torch.zeros(1, dtype=torch.long))
