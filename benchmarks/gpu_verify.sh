@@ -170,7 +170,8 @@ elif [ "$part" = kernel ]; then
   jit "mla bfloat16"
   stamp "fused kernel launch-shape sweep (FlashInfer builds in the background)"
   prev=(); [ -f benchmarks/_query_merge_prev.py ] && prev=(--prev benchmarks/_query_merge_prev.py)
-  timeout 240 python3 benchmarks/query_merge_sweep.py --q-len 4 8 "${prev[@]}" --out "$OUT/query_merge_sweep.json"
+  # The whole default grid took 247 s on an H100 (session 53).
+  timeout 300 python3 benchmarks/query_merge_sweep.py --q-len 4 8 "${prev[@]}" --out "$OUT/query_merge_sweep.json"
   stamp "Triton kernel tests on CUDA"
   kernel_tests
   jit_wait
@@ -341,8 +342,10 @@ elif [ "$part" = correct ]; then
   timeout 90 torchrun --nproc-per-node 2 examples/torchrun_dcp_step.py --cuda 2>&1 | grep "rank\|Error" | tail -4
 else
   stamp "jit warm (background) + fused kernel launch-shape sweep on the last GPU"
-  jit "mla bfloat16" "mla float16"
-  CUDA_VISIBLE_DEVICES=$((ngpu - 1)) timeout 120 python3 benchmarks/query_merge_sweep.py \
+  # GQA too: the layer tests below otherwise build its modules inside their 120 s (killed at 30 of 63, session 53).
+  jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16"
+  # Q = 4 only: the whole grid (Q = 4 and 8) takes about 250 s, `kernel` runs it.
+  CUDA_VISIBLE_DEVICES=$((ngpu - 1)) timeout 160 python3 benchmarks/query_merge_sweep.py --q-len 4 \
     --out "$OUT/query_merge_sweep.json"
   jit_wait
   stamp "a fresh process's first layer call, FlashInfer modules already built"

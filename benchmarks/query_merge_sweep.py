@@ -3,7 +3,8 @@
 For MLA (576/512, one latent KV head) at B requests of Q tokens, times the
 kernel alone, under a CUDA graph (twostage_mla.bench.time_many), for every
 launch shape (heads and warps per program, head-dim and value-dim chunks,
-value chunks in flight), merging with K context states (K = 1: N = 1 or
+value chunks in flight; shapes past the GPU's shared memory are listed, not
+timed), merging with K context states (K = 1: N = 1 or
 ag_rs; K = 2: a2a with N = 2). Prints the best per shape.
 
     python benchmarks/query_merge_sweep.py --out sweep.json
@@ -20,6 +21,7 @@ from types import SimpleNamespace
 
 import torch
 from _args import require_at_least, require_cuda, require_powers_of_two, require_writable
+from triton.runtime.errors import OutOfResources
 
 from twostage_mla.bench import time_many
 from twostage_mla.kernels.query_merge import query_merge_triton
@@ -82,13 +84,17 @@ def main() -> None:
         spec = importlib.util.spec_from_file_location("prev_kernel", args.prev)
         prev = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(prev)
-    rows = []
+    rows, skipped = [], []
     for q, h, k in itertools.product(args.q_len, args.heads, args.states):
         x = _inputs(args.batch, q, h, k, dev)
         ref = query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16)
-        fns = {}
+        fns, too_big = {}, []
         for kw in _launches(args, h):
-            o, lse = query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16, **kw)
+            try:
+                o, lse = query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16, **kw)
+            except OutOfResources:  # more shared memory than this GPU has: the library refuses it too
+                too_big.append(",".join(map(str, kw.values())))
+                continue
             # Every launch shape must give the default's answer (fp32 sums in another order: tiny drift).
             assert torch.allclose(o.float(), ref[0].float(), atol=2e-2) and torch.allclose(lse, ref[1], atol=1e-4)
             fns[",".join(map(str, kw.values()))] = lambda x=x, kw=kw: query_merge_triton(
@@ -117,12 +123,14 @@ def main() -> None:
             + f", with a causal mask {named['default+mask']:.1f}"
             + (f", prev {named['prev']:.1f}" if "prev" in named else "")
             + "; best "
-            + ", ".join(f"({r['launch']}) {r['time_us']:.1f}" for r in best[:4]),
+            + ", ".join(f"({r['launch']}) {r['time_us']:.1f}" for r in best[:4])
+            + (f"; {len(too_big)} past shared memory: " + " ".join(f"({n})" for n in too_big) if too_big else ""),
             flush=True,
         )
+        skipped += [dict(B=args.batch, Q=q, heads=h, states=k, launch=n) for n in too_big]
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, past_shared_memory=skipped), f, indent=1)
 
 
 if __name__ == "__main__":
