@@ -90,16 +90,15 @@ def main() -> None:
         ref = query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16)
         fns, too_big = {}, []
         for kw in _launches(args, h):
+            name = ",".join(map(str, kw.values()))
             try:
                 o, lse = query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16, **kw)
             except OutOfResources:  # more shared memory than this GPU has: the library refuses it too
-                too_big.append(",".join(map(str, kw.values())))
+                too_big.append(name)
                 continue
             # Every launch shape must give the default's answer (fp32 sums in another order: tiny drift).
             assert torch.allclose(o.float(), ref[0].float(), atol=2e-2) and torch.allclose(lse, ref[1], atol=1e-4)
-            fns[",".join(map(str, kw.values()))] = lambda x=x, kw=kw: query_merge_triton(
-                *x, scale=0.1, out_dtype=torch.bfloat16, **kw
-            )
+            fns[name] = lambda x=x, kw=kw: query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16, **kw)
         fns["default"] = lambda x=x: query_merge_triton(*x, scale=0.1, out_dtype=torch.bfloat16)
         # The default launch reading a causal mask, as under capture limits with max_q_len <= 16.
         causal = torch.ones(q, q, dtype=torch.bool, device=dev).tril().expand(args.batch, q, q).contiguous()
