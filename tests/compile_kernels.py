@@ -43,7 +43,7 @@ def main() -> None:
     # short and long requests; then the no-pipelining fallback.
     shapes = {
         "16 heads": (dict(BLOCK_H=16, BLOCK_D=128, BLOCK_V=512), (2,)),
-        "128 heads": (dict(BLOCK_H=64, BLOCK_D=64, BLOCK_V=128), (3, 2)),
+        "128 heads": (dict(BLOCK_H=32, BLOCK_D=64, BLOCK_V=128), (3, 2)),
     }
     # 64-bit offsets (WIDE, steps with a tensor of >= 2^31 elements): the default stages, no mask.
     combos = itertools.product(shapes.items(), [False, True], [False, True], [False, True])

@@ -248,10 +248,14 @@ def query_merge_triton(
     g = h // hk
     # tl.dot needs blocks of >= 16 rows and columns: fewer heads or dims are padded (masked).
     # Defaults measured on H200s (benchmarks/query_merge_sweep.py, docs/performance.md): below 64
-    # heads per KV head, 16 heads per program and the value dims in one chunk; from 64 on, 64 heads,
+    # heads per KV head, 16 heads per program and the value dims in one chunk; from 64 on, 32 heads,
     # value chunks of 128, three in flight with one context state and two with more (their tiles
     # share the shared memory). At 128 heads, B = 32, Q = 4: 17.8 vs 22.2 us for the kernel without
     # pipelining with one state; 27.8 (two in flight) vs 29.8 (three) vs 30.3 with two states.
+    # 32 heads a program rather than 64 (session 55, 64 and 128 heads, Q = 1 - 16, nine rounds on
+    # H100s): 13 - 17 % faster at Q <= 2 (more programs for few tokens), 2 - 4 % with two states,
+    # within -1 to +4 % with one state at Q >= 2; on an H200 at Q = 4 and 8, 128 heads, -3 % with
+    # two states, level with one.
     # Rejected after measuring (benchmarks/results/): value dims split over programs (each
     # recomputes the scores), fresh keys loaded ahead with a programmatic dependent launch, the
     # next chunk loaded ahead by hand (two live tiles in registers), a softmax launch then a
@@ -264,7 +268,7 @@ def query_merge_triton(
     if chosen != (None,) * 5:  # a caller's launch shape (a sweep); the defaults below are valid, so the layer's
         _check_launch_shape(*chosen)  # per-call path skips the check (~1 us of host time a layer)
     # `is None`, not `or`: a 0 given by a caller must be refused above, not run as the default.
-    block_h = (64 if wide else 16) if block_h is None else block_h
+    block_h = (32 if wide else 16) if block_h is None else block_h
     block_d = (64 if wide else 128) if block_d is None else block_d
     block_v = (min(128, whole_v) if wide else whole_v) if block_v is None else block_v
     v_stages = (3 if wide and ctx_o.shape[0] == 1 else 2) if v_stages is None else v_stages
