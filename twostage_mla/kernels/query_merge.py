@@ -253,9 +253,9 @@ def query_merge_triton(
     # share the shared memory). At 128 heads, B = 32, Q = 4: 17.8 vs 22.2 us for the kernel without
     # pipelining with one state; 27.8 (two in flight) vs 29.8 (three) vs 30.3 with two states.
     # 32 heads a program rather than 64 (session 55, 64 and 128 heads, Q = 1 - 16, nine rounds on
-    # H100s): 13 - 17 % faster at Q <= 2 (more programs for few tokens), 2 - 4 % with two states,
-    # within -1 to +4 % with one state at Q >= 2; on an H200 at Q = 4 and 8, 128 heads, -3 % with
-    # two states, level with one.
+    # H100s): 12 - 17 % faster at Q = 1 and at Q = 2 with 64 heads (more programs for few tokens),
+    # 0 - 5 % with two states from Q = 2, -1 to +5 % with one; on an H200 at Q = 4 and 8, 128
+    # heads, -3 % with two states, level with one.
     # Rejected after measuring (benchmarks/results/): value dims split over programs (each
     # recomputes the scores), fresh keys loaded ahead with a programmatic dependent launch, the
     # next chunk loaded ahead by hand (two live tiles in registers), a softmax launch then a
