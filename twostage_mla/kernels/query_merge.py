@@ -250,8 +250,9 @@ def query_merge_triton(
     # Defaults measured on H200s (benchmarks/query_merge_sweep.py, docs/performance.md): below 64
     # heads per KV head, 16 heads per program and the value dims in one chunk; from 64 on, 32 heads,
     # value chunks of 128, three in flight with one context state and two with more (their tiles
-    # share the shared memory). At 128 heads, B = 32, Q = 4: 17.8 vs 22.2 us for the kernel without
-    # pipelining with one state; 27.8 (two in flight) vs 29.8 (three) vs 30.3 with two states.
+    # share the shared memory). At 128 heads, B = 32, Q = 4, then with 64 heads a program: 17.8 vs
+    # 22.2 us for the kernel without pipelining with one state; 27.8 (two in flight) vs 29.8 (three)
+    # vs 30.3 with two states.
     # 32 heads a program rather than 64 (session 55, 64 and 128 heads, Q = 1 - 16, nine rounds on
     # H100s): 12 - 17 % faster at Q = 1 and at Q = 2 with 64 heads (more programs for few tokens),
     # 0 - 5 % with two states from Q = 2, -1 to +5 % with one; on an H200 at Q = 4 and 8, 128
