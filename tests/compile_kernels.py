@@ -42,8 +42,8 @@ def main() -> None:
     # (value chunks in flight: 2; from 64 heads 3 with one context state), with and without a mask,
     # short and long requests; then the no-pipelining fallback.
     shapes = {
-        "16 heads": (dict(BLOCK_H=16, BLOCK_D=128, BLOCK_V=512), (2,)),
-        "128 heads": (dict(BLOCK_H=32, BLOCK_D=64, BLOCK_V=128), (3, 2)),
+        "16 heads": (dict(query_merge._NARROW_LAUNCH, BLOCK_V=512), (2,)),  # MLA's 512 value dims whole
+        "128 heads": (query_merge._WIDE_LAUNCH, (3, 2)),
     }
     # 64-bit offsets (WIDE, steps with a tensor of >= 2^31 elements): the default stages, no mask.
     combos = itertools.product(shapes.items(), [False, True], [False, True], [False, True])

@@ -29,6 +29,11 @@ from triton.runtime.errors import OutOfResources
 from twostage_mla.kernels.merge import wide_offsets
 from twostage_mla.plan import StepPlan
 
+# The default launch shapes as the kernel's constexprs, below 64 query heads per KV head (value dims in
+# one chunk) and from 64 on; why these, in query_merge_triton. tests/compile_kernels.py compiles them.
+_NARROW_LAUNCH = dict(BLOCK_H=16, BLOCK_D=128)
+_WIDE_LAUNCH = dict(BLOCK_H=32, BLOCK_D=64, BLOCK_V=128)
+
 
 @triton.jit
 def _key_block(
@@ -247,12 +252,12 @@ def query_merge_triton(
         )
     g = h // hk
     # tl.dot needs blocks of >= 16 rows and columns: fewer heads or dims are padded (masked).
-    # Defaults measured on H200s (benchmarks/query_merge_sweep.py, docs/performance.md): below 64
-    # heads per KV head, 16 heads per program and the value dims in one chunk; from 64 on, 32 heads,
-    # value chunks of 128, three in flight with one context state and two with more (their tiles
-    # share the shared memory). At 128 heads, B = 32, Q = 4, then with 64 heads a program: 17.8 vs
-    # 22.2 us for the kernel without pipelining with one state; 27.8 (two in flight) vs 29.8 (three)
-    # vs 30.3 with two states.
+    # Defaults measured on H200s, the heads a program from 64 per KV head also on H100s (below;
+    # benchmarks/query_merge_sweep.py, docs/performance.md): below 64 heads per KV head, 16 heads
+    # per program and the value dims in one chunk; from 64 on, 32 heads, value chunks of 128, three
+    # in flight with one context state and two with more (their tiles share the shared memory). At
+    # 128 heads, B = 32, Q = 4, then with 64 heads a program: 17.8 vs 22.2 us for the kernel without
+    # pipelining with one state; 27.8 (two in flight) vs 29.8 (three) vs 30.3 with two states.
     # 32 heads a program rather than 64 (session 55, 64 and 128 heads, Q = 1 - 16, nine rounds on
     # H100s): 12 - 17 % faster at Q = 1 and at Q = 2 with 64 heads (more programs for few tokens),
     # 0 - 5 % with two states from Q = 2, -1 to +5 % with one; on an H200 at Q = 4 and 8, 128
@@ -269,9 +274,10 @@ def query_merge_triton(
     if chosen != (None,) * 5:  # a caller's launch shape (a sweep); the defaults below are valid, so the layer's
         _check_launch_shape(*chosen)  # per-call path skips the check (~1 us of host time a layer)
     # `is None`, not `or`: a 0 given by a caller must be refused above, not run as the default.
-    block_h = (32 if wide else 16) if block_h is None else block_h
-    block_d = (64 if wide else 128) if block_d is None else block_d
-    block_v = (min(128, whole_v) if wide else whole_v) if block_v is None else block_v
+    default = _WIDE_LAUNCH if wide else _NARROW_LAUNCH
+    block_h = default["BLOCK_H"] if block_h is None else block_h
+    block_d = default["BLOCK_D"] if block_d is None else block_d
+    block_v = min(default.get("BLOCK_V", whole_v), whole_v) if block_v is None else block_v
     v_stages = (3 if wide and ctx_o.shape[0] == 1 else 2) if v_stages is None else v_stages
     num_warps = 4 if num_warps is None else num_warps
     max_q_len = plan.max_q_len if max_q_len is None else max_q_len
