@@ -99,6 +99,17 @@ def test_launch_shape(fmt):
     torch.testing.assert_close(got_lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
+def test_default_launch_is_wide_only_where_it_fills_the_gpu():
+    # From 64 heads per KV head the wide launch (32 heads a program), but not for steps so small that
+    # it would have <= 128 programs: there the narrow one's extra programs are faster (session 57).
+    from twostage_mla.kernels.query_merge import _wide_launch
+
+    assert not _wide_launch(4096, 1, 32)  # below 64 heads per KV head: always narrow
+    assert not _wide_launch(32, 1, 128) and _wide_launch(33, 1, 128)  # 128 vs 132 wide programs
+    assert not _wide_launch(64, 1, 64) and _wide_launch(65, 1, 64)
+    assert not _wide_launch(16, 2, 128) and _wide_launch(17, 2, 128)  # programs count every KV head
+
+
 def test_no_context_and_very_negative_scores():
     # Every score near -1e3 and the only context state empty (lse -inf, o NaN): exp() of the
     # scores underflows unless taken relative to their max; the empty state must weigh nothing.

@@ -29,10 +29,18 @@ from triton.runtime.errors import OutOfResources
 from twostage_mla.kernels.merge import wide_offsets
 from twostage_mla.plan import StepPlan
 
-# The default launch shapes as the kernel's constexprs, below 64 query heads per KV head (value dims in
-# one chunk) and from 64 on; why these, in query_merge_triton. tests/compile_kernels.py compiles them.
+# The default launch shapes as the kernel's constexprs: narrow (value dims in one chunk) below 64 query
+# heads per KV head, and from 64 on for steps so small that the wide launch would have at most
+# _FEW_PROGRAMS programs; wide otherwise. Why these, in query_merge_triton. tests/compile_kernels.py
+# compiles both.
 _NARROW_LAUNCH = dict(BLOCK_H=16, BLOCK_D=128)
 _WIDE_LAUNCH = dict(BLOCK_H=32, BLOCK_D=64, BLOCK_V=128)
+_FEW_PROGRAMS = 128
+
+
+def _wide_launch(t: int, hk: int, g: int) -> bool:
+    """Whether T tokens of H_kv KV heads with g query heads each take the wide default launch."""
+    return g >= 64 and t * hk * triton.cdiv(g, _WIDE_LAUNCH["BLOCK_H"]) > _FEW_PROGRAMS
 
 
 @triton.jit
@@ -262,12 +270,15 @@ def query_merge_triton(
     # H100s): 12 - 17 % faster at Q = 1 and at Q = 2 with 64 heads (more programs for few tokens),
     # 0 - 5 % with two states from Q = 2, -1 to +5 % with one; on an H200 at Q = 4 and 8, 128
     # heads, -3 % with two states, level with one.
+    # The narrow launch from 64 heads too where the wide one has <= 128 programs (under one per SM of
+    # an H100 or H200; session 57, H100, 64 and 128 heads, B = 8 - 128, Q = 1 and 2, three rounds):
+    # 21 - 37 % faster with <= 64 wide programs, 0.88 - 1.02x at 128; 1.12 - 1.48x slower from 256.
     # Rejected after measuring (benchmarks/results/): value dims split over programs (each
     # recomputes the scores), fresh keys loaded ahead with a programmatic dependent launch, the
     # next chunk loaded ahead by hand (two live tiles in registers), a softmax launch then a
     # streaming merge launch (20.4 vs 17.7 us with one state, 27.3 vs 28.5 with two: not worth a
     # second kernel).
-    wide = g >= 64
+    wide = _wide_launch(t, hk, g)
     whole_v = max(16, triton.next_power_of_2(dv))
     chosen_stages = v_stages is not None
     chosen = (block_h, block_d, block_v, num_warps, v_stages)
