@@ -8,7 +8,8 @@ runs on CPUs in seconds:
    with interleave I, the prompts prefilled in chunks (chunked prefill with
    context: large Q through the same split), then speculative verification
    steps of Q tokens (a chain) or a token tree, all through TwoStageAttention;
-3. checks: logits against transformers' at every position we computed,
+3. checks: logits against transformers' at every position we computed (in
+   16-bit, but where rounding tipped a MoE router to other experts),
    greedy tokens against ``generate``, each layer's attention in a verify step
    against ``oracle_attention`` with the same parents (tree or chain), and the shards against
    transformers' own latent cache.
