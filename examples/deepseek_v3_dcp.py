@@ -626,9 +626,11 @@ def main() -> None:
     for kind, e in logit_errors.items():
         print(f"  logits vs transformers, {kind:8s} steps: max rel err {e:.2e}")
         errors[f"logits ({kind})"] = e
+    rows = sum(len(rec.input_ids) for rec in res.records)
     if skipped:
-        rows = sum(len(rec.input_ids) for rec in res.records)
         print(f"    ({skipped} of {rows} rows left out: their MoE router chose other experts than transformers')")
+    # A tipped near-tie is rare (session 58: <= 2 of 136 rows); many would mean drift beyond rounding.
+    too_many_flips = skipped > rows // 10
     scale = model.model.layers[0].self_attn.scaling
     for r, rr in enumerate(results):
         e_attn = oracle_error(model, rr.traces[0], scale) if rr.traces else None
@@ -653,7 +655,9 @@ def main() -> None:
     over = [f"{name} {e:.2e}" for name, e in errors.items() if not e <= tol]
     if over:
         print(f"  FAILED: errors above {tol:.0e} ({a.dtype}): {', '.join(over)}")
-    if over or (not same and a.dtype == "float32"):  # in 16-bit a near-tie may flip a token
+    if too_many_flips:
+        print(f"  FAILED: more than a tenth of the rows ({skipped} of {rows}) chose other experts than transformers'")
+    if over or too_many_flips or (not same and a.dtype == "float32"):  # in 16-bit a near-tie may flip a token
         sys.exit(1)
 
 
