@@ -17,7 +17,8 @@ ds() { timeout 150 python3 examples/deepseek_v3_dcp.py --device cuda --world-siz
 for tree in new prev nofuse; do
   src=$PWD; [ $tree != new ] && src=/tmp/$tree
   echo "=== DeepSeek-V3 bf16 I=4, twostage_mla from $src"
-  PYTHONPATH=/tmp/site:$src python3 -c "import twostage_mla.kernels.query_merge as m; print(m.__file__, hasattr(m, '_wide_launch'))"
+  # from /tmp: in the repository root the checkout would come first on sys.path and hide $src
+  (cd /tmp && PYTHONPATH=/tmp/site:$src python3 -c "import twostage_mla.kernels.query_merge as m; print(m.__file__)")
   PYTHONPATH=/tmp/site:$src ds --interleave 4
 done
 echo "=== new kernel, I=1 (session 54's setting)"; ds --interleave 1
