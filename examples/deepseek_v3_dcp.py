@@ -331,7 +331,7 @@ def decode(
         input_ids = torch.tensor(sum(ids, []), device=dev)
         with moe_experts(model) as picks:
             logits, fresh = m.forward(input_ids, positions, plan, write_cache=not is_tree, trace=trace)
-        experts = torch.stack(picks, 1)
+        experts = torch.stack(picks, 1).cpu()  # one copy a step, as the logits below
         logits = logits.float().cpu()  # what the sampler reads
         if trace is not None:
             contexts = [reqs[b].tokens[: reqs[b].cached] for b in active]
@@ -416,10 +416,10 @@ def reference_logits(model, rec: StepRecord) -> torch.Tensor:
 
 @contextmanager
 def moe_experts(model) -> Iterator[list[torch.Tensor]]:
-    """The experts each MoE layer's router chose in the forwards run inside: per call (rows, k), sorted, on the CPU."""
+    """The experts each MoE layer's router chose in the forwards run inside: per call (rows, k), sorted."""
     picks: list[torch.Tensor] = []
     gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
-    hooks = [g.register_forward_hook(lambda mod, args, out: picks.append(out[-1].sort(-1).values.cpu())) for g in gates]
+    hooks = [g.register_forward_hook(lambda mod, args, out: picks.append(out[-1].sort(-1).values)) for g in gates]
     try:
         yield picks
     finally:
