@@ -331,7 +331,8 @@ def decode(
         input_ids = torch.tensor(sum(ids, []), device=dev)
         with moe_experts(model) as picks:
             logits, fresh = m.forward(input_ids, positions, plan, write_cache=not is_tree, trace=trace)
-        experts = torch.stack(picks, 1).cpu()  # one copy a step, as the logits below
+        # One copy a step, as the logits below; a model without MoE layers has no router to compare.
+        experts = torch.stack(picks, 1).cpu() if picks else None
         logits = logits.float().cpu()  # what the sampler reads
         if trace is not None:
             contexts = [reqs[b].tokens[: reqs[b].cached] for b in active]
@@ -346,7 +347,8 @@ def decode(
             lo = starts[i]
             lg = logits[lo : lo + len(toks)]
             target = lg.argmax(-1).tolist()
-            rec = StepRecord(b, kinds[i], r.tokens[: r.cached], toks, par, lg.clone(), experts[lo : lo + len(toks)])
+            picked = None if experts is None else experts[lo : lo + len(toks)]
+            rec = StepRecord(b, kinds[i], r.tokens[: r.cached], toks, par, lg.clone(), picked)
             records.append(rec)
             if kinds[i] == "prefill":
                 path = list(range(len(toks)))

@@ -103,6 +103,18 @@ def test_rows_whose_router_chose_other_experts_can_be_left_out(setup):
     assert err["chain"] > 1e-2 and skipped == 1
 
 
+def test_a_model_without_moe_layers_decodes_and_counts_every_row():
+    # No router to hook: the steps record no experts, and every row counts.
+    model = ex.build_model(0, first_k_dense_replace=2)  # both layers dense
+    prompts = ex.make_prompts(model.config.vocab_size, [19], seed=1)
+    refs = ex.hf_generate(model, prompts, 6)
+    res = ex.decode(model, DCPLayout(1, 0, 1), None, prompts, refs, max_new_tokens=6, page_size=PAGE)
+    assert res.tokens == refs
+    assert all(rec.experts is None for rec in res.records)
+    errs, skipped = ex.logits_error(model, res.records, skip_other_experts=True)
+    assert skipped == 0 and max(errs.values()) < 1e-4
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_dcp_decoding_matches_transformers(setup, world):
     model, prompts, refs = setup
