@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention, oracle_attention, synthetic
-from twostage_mla.kernels.query_merge import _wide_launch, query_merge_triton
+from twostage_mla.kernels.query_merge import _NARROW_LAUNCH, _WIDE_LAUNCH, _wide_launch, query_merge_triton
 from twostage_mla.state import lse_weights
 
 
@@ -39,8 +39,13 @@ CASES = [
     ([60] * 9, [4] * 9),
     ([0, 5, 9, 2, 7], [3, 1, 16, 6, 37]),
 ]
-LAUNCHES = {"default": {}, "narrow": dict(block_h=16, block_d=128, block_v=512),
-            "wide": dict(block_h=32, block_d=64, block_v=128)}  # fmt: skip
+# The kernel's own default shapes, forced (its constexpr names as query_merge_triton's keywords); the
+# narrow one takes MLA's 512 value dims whole, as the default does.
+LAUNCHES = {
+    "default": {},
+    "narrow": {**{k.lower(): v for k, v in _NARROW_LAUNCH.items()}, "block_v": 512},
+    "wide": {k.lower(): v for k, v in _WIDE_LAUNCH.items()},
+}
 
 
 def main() -> None:
