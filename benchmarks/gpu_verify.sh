@@ -284,6 +284,7 @@ elif [ "$part" = model ]; then
     stamp "DeepSeek-V3 real dims, float32, N=$ngpu over NCCL, $opt"
     timeout 150 python3 examples/deepseek_v3_dcp.py --device cuda --world-size "$ngpu" --interleave 4 --real-dims \
       --dtype float32 --max-new-tokens 12 $opt 2>&1 | grep -v "Warning\|warn" | tail -9
+    echo "rc=${PIPESTATUS[0]}"  # the example exits 1 when its tokens or errors fail
   done
 elif [ "$part" = final ]; then
   jit "mla bfloat16" "gqa float16"
@@ -294,6 +295,7 @@ elif [ "$part" = final ]; then
     stamp "DeepSeek-V3 real dims, $dt, N=$ngpu over NCCL"
     timeout 150 python3 examples/deepseek_v3_dcp.py --device cuda --world-size "$ngpu" --interleave 4 --real-dims \
       --dtype $dt --max-new-tokens 12 2>&1 | grep -v "Warning\|warn" | tail -9
+    echo "rc=${PIPESTATUS[0]}"
   done
   if [ "$ngpu" -ge 2 ]; then
     stamp "prefill cost under CUDA graphs: gather KV vs split, 2 GPUs"
@@ -361,6 +363,7 @@ else
     stamp "one GPU: DeepSeek-V3 real dims with N=1, check"
     timeout 120 python3 examples/deepseek_v3_dcp.py --device cuda --world-size 1 --real-dims --dtype bfloat16 \
       --max-new-tokens 12 2>&1 | grep -v "Warning\|warn" | tail -12
+    echo "rc=${PIPESTATUS[0]}"
     timeout 120 python3 -m twostage_mla check 2>&1 | grep -v skipped | tail -12
     stamp done; exit 0
   fi
