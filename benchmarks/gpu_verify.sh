@@ -89,6 +89,11 @@ jit_wait() {  # the FlashInfer builds started by jit
   for p in "${pids[@]}"; do wait "$p"; done
   grep -h "ready\|Error" "$OUT/jit.log" | tail -n 8
 }
+deepseek() {  # SECONDS LINES ARGS...: the DeepSeek-V3 example at real dims on CUDA, then its exit status
+  timeout "$1" python3 examples/deepseek_v3_dcp.py --device cuda --real-dims --max-new-tokens 12 "${@:3}" 2>&1 \
+    | grep -v "Warning\|warn" | tail -"$2"
+  echo "rc=${PIPESTATUS[0]}"  # the example exits 1 when its tokens or errors fail
+}
 
 if [ "$part" = capacity ] || [ "$part" = release ]; then
   tag=$(python3 -c "import flashinfer; print(flashinfer.__version__)")
@@ -282,9 +287,7 @@ elif [ "$part" = main ]; then
 elif [ "$part" = model ]; then
   for opt in "--q-len 4" "--tree"; do  # float32: greedy tokens equal transformers' generate
     stamp "DeepSeek-V3 real dims, float32, N=$ngpu over NCCL, $opt"
-    timeout 150 python3 examples/deepseek_v3_dcp.py --device cuda --world-size "$ngpu" --interleave 4 --real-dims \
-      --dtype float32 --max-new-tokens 12 $opt 2>&1 | grep -v "Warning\|warn" | tail -9
-    echo "rc=${PIPESTATUS[0]}"  # the example exits 1 when its tokens or errors fail
+    deepseek 150 9 --world-size "$ngpu" --interleave 4 --dtype float32 $opt
   done
 elif [ "$part" = final ]; then
   jit "mla bfloat16" "gqa float16"
@@ -293,9 +296,7 @@ elif [ "$part" = final ]; then
   jit_wait
   for dt in float32 bfloat16; do  # float32: tokens equal transformers'; bf16: flashinfer + the fused query pass
     stamp "DeepSeek-V3 real dims, $dt, N=$ngpu over NCCL"
-    timeout 150 python3 examples/deepseek_v3_dcp.py --device cuda --world-size "$ngpu" --interleave 4 --real-dims \
-      --dtype $dt --max-new-tokens 12 2>&1 | grep -v "Warning\|warn" | tail -9
-    echo "rc=${PIPESTATUS[0]}"
+    deepseek 150 9 --world-size "$ngpu" --interleave 4 --dtype $dt
   done
   if [ "$ngpu" -ge 2 ]; then
     stamp "prefill cost under CUDA graphs: gather KV vs split, 2 GPUs"
@@ -361,9 +362,7 @@ else
     --backends flashinfer --unfused --methods twostage,onepass,expand,floor --out "$OUT/bench_fused.json" 2>&1 | tail -40
   if [ "$ngpu" -lt 2 ]; then
     stamp "one GPU: DeepSeek-V3 real dims with N=1, check"
-    timeout 120 python3 examples/deepseek_v3_dcp.py --device cuda --world-size 1 --real-dims --dtype bfloat16 \
-      --max-new-tokens 12 2>&1 | grep -v "Warning\|warn" | tail -12
-    echo "rc=${PIPESTATUS[0]}"
+    deepseek 120 12 --world-size 1 --dtype bfloat16
     timeout 120 python3 -m twostage_mla check 2>&1 | grep -v skipped | tail -12
     stamp done; exit 0
   fi
