@@ -110,8 +110,8 @@ def test_states_not_matching_the_group_are_refused_before_the_collective():
 def _agreements(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    big = [2**63 - 1, -(2**63), -(2**63) + rank, rank]  # 64-bit digests survive the all-reduce
-    out = {"rows4": comm.agree("step", big, dist.group.WORLD, None), "rows2": comm.agree("layer", [rank, 7],
+    big = [2**63 - 1, -(2**63), -(2**63) + rank, rank, 1]  # 64-bit digests survive the all-reduce
+    out = {"rows5": comm.agree("step", big, dist.group.WORLD, None), "rows2": comm.agree("layer", [rank, 7],
            dist.group.WORLD, "cpu")}  # fmt: skip
     try:  # rank 0 builds a layer while the others plan a step
         comm.agree("layer" if rank == 0 else "step", [1, 2], dist.group.WORLD, None)
@@ -124,17 +124,17 @@ def _agreements(rank: int, world: int) -> dict:
 
 def test_agree_gathers_every_rank_row_and_refuses_other_kinds():
     for rank, res in enumerate(run_ranks(3, _agreements)):
-        assert res["rows4"] == [[2**63 - 1, -(2**63), -(2**63) + r, r] for r in range(3)]
+        assert res["rows5"] == [[2**63 - 1, -(2**63), -(2**63) + r, r, 1] for r in range(3)]
         assert res["rows2"] == [[r, 7] for r in range(3)]
         assert res["mismatch"] == (
             "expected every rank of the DCP group to build its layers and plan its steps in the same order, got "
             "ranks [0] vs [1, 2] at different ones (1 = a layer built, 2 = a step planned: [1, 2, 2])"
         ), rank
         assert res["after"] == [[0], [1], [2]]
-    with pytest.raises(ValueError, match="expected kind in \\('layer', 'step'\\) and a row of up to 4 ints"):
+    with pytest.raises(ValueError, match="expected kind in \\('layer', 'step'\\) and a row of up to 5 ints"):
         comm.agree("plan", [1], None, None)
-    with pytest.raises(ValueError, match="a row of up to 4 ints, got 'step', \\[1, 2, 3, 4, 5\\]"):
-        comm.agree("step", [1, 2, 3, 4, 5], None, None)
+    with pytest.raises(ValueError, match="a row of up to 5 ints, got 'step', \\[1, 2, 3, 4, 5, 6\\]"):
+        comm.agree("step", [1, 2, 3, 4, 5, 6], None, None)
 
 
 def test_digest_reads_the_values_of_a_view_not_its_storage():

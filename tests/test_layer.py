@@ -50,9 +50,11 @@ def cases(world: int) -> list[dict]:
     return out
 
 
-def _grid(rank: int, world: int, grid: list[dict]) -> list[tuple[dict, float]]:
+def _grid(rank: int, world: int, grid: list[dict], context_pass: str = "split") -> list[tuple[dict, float]]:
     results = []
     for c in grid:
+        if context_pass == "expand" and c["tree"]:  # refused (test_expand_refuses_tree_steps)
+            continue
         mla = c["fmt"] == "mla"
         # MLA: 1 or 2 heads per rank, D = 16 + 8; GQA: 4 heads per rank over 2 KV heads, D=16, Dv=8
         h, hk, d, dv = (1 + c["seed"] % 2, 1, 24, 16) if mla else (4, 2, 16, 8)
@@ -74,8 +76,14 @@ def _grid(rank: int, world: int, grid: list[dict]) -> list[tuple[dict, float]]:
         x = synthetic.rank_inputs(
             step, layout, c["ps"], mla=mla, dtype=c["dtype"], device="cpu", seed=c["seed"], fill=float("nan")
         )
-        attn = TwoStageAttention(cfg, layout, group=dist.group.WORLD, combine=c["combine"], dtype=c["dtype"])
+        attn = TwoStageAttention(cfg, layout, group=dist.group.WORLD, combine=c["combine"], dtype=c["dtype"],
+                                 context_pass=context_pass)
         plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)
+        assert (plan.context_plan is not None) == (context_pass == "expand" and x.k.shape[0] > 0)
+        if context_pass == "expand":  # the new tokens are in the shard already: rewritten, as an engine would
+            plan.write_new_tokens(x.k_cache, x.k)
+            if not mla:
+                plan.write_new_tokens(x.v_cache, x.v)
         out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
         ref_o, ref_lse = synthetic.oracle(step, cfg.scale, slice(rank * h, (rank + 1) * h))
         assert out.dtype == c["dtype"] and lse.dtype == torch.float32
@@ -86,10 +94,13 @@ def _grid(rank: int, world: int, grid: list[dict]) -> list[tuple[dict, float]]:
     return results
 
 
+@pytest.mark.parametrize("context_pass", ["split", "expand"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_layer_matches_oracle(world):
+def test_layer_matches_oracle(world, context_pass):
     grid = cases(world)
-    for rank_results in run_ranks(world, _grid, grid):
+    results = run_ranks(world, _grid, grid, context_pass)
+    assert len(results[0]) >= len(grid) // 2
+    for rank_results in results:
         for c, rel, lse_err in rank_results:
             assert rel <= TOL[c["dtype"]], (c, rel)
             assert lse_err <= 1e-4, (c, lse_err)
@@ -281,8 +292,8 @@ def test_bad_input_raises_before_any_collective(world):
             r"same query_start_loc, seq_lens and parents on every rank",
             r"same query_start_loc, seq_lens and parents on every rank .* \(rank 0: T=8 B=4, rank 1: T=8 B=4\)",
             r"same query_start_loc, seq_lens and parents on every rank",
-            r"same layer on every rank of the DCP group \(config, .*combine, dtype\), got different ones on ranks "
-            r"\[0\] vs \[1\]",
+            r"same layer on every rank of the DCP group \(config, .*combine, dtype, context_pass\), got different "
+            r"ones on ranks \[0\] vs \[1\]",
             r"same layer on every rank of the DCP group",
             r"^no error$",
             r"combine in \('a2a', 'ag_rs'\), got 'ring'|accept this layer, got a refusal on rank\(s\) \[1\]",
@@ -379,7 +390,8 @@ def test_plan_of_another_config_is_refused():
         dtype=torch.float32,
     )
     plan = other.plan(x.query_start_loc, x.seq_lens, x.block_table)
-    with pytest.raises(ValueError, match=r"with this config .*scale=0.2, fused=False\), got .*scale=0.3, fused=False$"):
+    with pytest.raises(ValueError, match=r"with this config .*scale=0.2, fused=False, context_pass='split'\), got "
+                                         r".*scale=0.3, fused=False, context_pass='split'$"):
         attn(x.q, x.k, None, x.k_cache, None, plan)
     # another instance with the same config may share the plan (one plan per step for all layers)
     twin = TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32)
@@ -606,3 +618,72 @@ def test_a_gqa_v_cache_not_of_stride_1_is_refused():
     plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
     with pytest.raises(ValueError, match=r"expected v_cache with stride 1 in its last dim, got strides \("):
         attn(x.q, x.k, x.v, x.k_cache, strided_last(x.v_cache), plan)
+
+
+def test_context_pass_errors():
+    cfg = SMALL_MLA
+    with pytest.raises(ValueError, match=r"expected context_pass in \('split', 'expand', 'auto'\), got 'fast'"):
+        TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32, context_pass="fast")
+    limits = dict(max_batch_size=4, max_tokens=16, max_pages=16)
+    with pytest.raises(ValueError, match=r"expected context_pass 'split' or 'auto' with capture limits .*got 'expand'"):
+        TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32, context_pass="expand", **limits)
+    x, attn = _one_rank_step(cfg, tree=True, context_pass="expand")
+    with pytest.raises(ValueError, match=r"expected no tree parents with context_pass='expand'"):
+        attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)
+    # A plan of an expanding layer is refused by a splitting one (its caller may not have cached the new tokens).
+    x, attn = _one_rank_step(cfg, context_pass="expand")
+    plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    split = TwoStageAttention(cfg, DCPLayout(), dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"context_pass='split'\), got .*context_pass='expand'$"):
+        split(x.q, x.k, None, x.k_cache, None, plan)
+
+
+def test_auto_splits_where_the_backend_prefers_it_and_on_tree_steps():
+    x, attn = _one_rank_step(SMALL_MLA, context_pass="auto")  # the reference never prefers the expansion
+    assert attn.plan(x.query_start_loc, x.seq_lens, x.block_table).context_plan is None
+    attn.backend.prefers_expanded_context = lambda plan: True
+    assert attn.plan(x.query_start_loc, x.seq_lens, x.block_table).context_plan is not None
+    x, attn = _one_rank_step(SMALL_MLA, context_pass="auto", tree=True)
+    attn.backend.prefers_expanded_context = lambda plan: True
+    plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)
+    assert plan.context_plan is None  # a tree's token does not see every earlier one: split
+
+
+def test_the_expanded_pass_reads_the_new_tokens_from_the_cache():
+    # Request 0 (C = 5) has 2 new tokens, request 1 (C = 9) 3. Its contract: the caller caches them first.
+    cfg = SMALL_MLA
+    x, attn = _one_rank_step(cfg, context_pass="expand")
+    plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    good = attn(x.q, x.k, None, x.k_cache, None, plan)
+    split_x, split = _one_rank_step(cfg)
+    torch.testing.assert_close(good, split(x.q, x.k, None, x.k_cache, None, split.plan(x.query_start_loc,
+                               x.seq_lens, x.block_table)), atol=1e-5, rtol=1e-5)  # fmt: skip
+    stale = x.k.clone()
+    stale[2] += 1.0  # request 1's first new token, as if the cache held another step's key there
+    plan.write_new_tokens(x.k_cache, stale)
+    out = attn(x.q, x.k, None, x.k_cache, None, plan)
+    changed = (out - good).abs().amax(dim=(1, 2)) > 1e-4
+    assert changed.tolist() == [False, False, True, True, True]  # the tokens that see it, and no other
+    plan.write_new_tokens(x.k_cache, x.k)
+    torch.testing.assert_close(attn(x.q, x.k, None, x.k_cache, None, plan), good)
+
+
+def _expansion_on_one_rank(rank: int, world: int) -> str:
+    cfg = SMALL_MLA
+    layout = DCPLayout(world, rank, 1)
+    step = synthetic.make_step([5, 9], [2, 3], heads=2 * world, head_dim=24, head_dim_v=16, seed=1)
+    x = synthetic.rank_inputs(step, layout, 4, mla=True, dtype=torch.float32, device="cpu", seed=1)
+    attn = TwoStageAttention(cfg, layout, group=dist.group.WORLD, dtype=torch.float32, context_pass="auto")
+    if rank == 0:  # as if rank 0's backend preferred the expansion and rank 1's did not
+        attn.backend.prefers_expanded_context = lambda plan: True
+    try:
+        attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_that_expand_differently_are_refused_on_every_rank():
+    for msg in run_ranks(2, _expansion_on_one_rank):
+        assert msg.startswith("expected the same context pass on every rank of the DCP group, got the expanded one "
+                              "on ranks [0] only"), msg

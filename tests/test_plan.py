@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from twostage_mla.layout import DCPLayout
-from twostage_mla.plan import plan_step
+from twostage_mla.plan import expanded_context_plan, plan_step
 
 I32 = dict(dtype=torch.int32)
 
@@ -226,3 +226,24 @@ def test_a_table_too_narrow_for_one_of_several_requests_is_refused():
     with pytest.raises(ValueError, match=r"at least 25 pages per request on every rank, got 2: .*\(request 1 "):
         plan_step(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([4, 100], dtype=torch.int32),
                   torch.zeros(2, 2, dtype=torch.int32), page_size=4, layout=DCPLayout())  # fmt: skip
+
+
+@pytest.mark.parametrize("n,r,il,ps", [(1, 0, 1, 4), (2, 1, 2, 4), (3, 2, 1, 3), (4, 0, 2, 2), (4, 3, 2, 8)])
+def test_expanded_context_plan_gives_each_token_its_causal_prefix(n, r, il, ps):
+    layout = DCPLayout(n, r, il)
+    ctx, q = [0, 1, n * il - 1, 13, 40], [3, 1, 16, 5, 2]  # contexts shorter than N*I: empty shards
+    qsl = torch.tensor([0, *torch.tensor(q).cumsum(0).tolist()])
+    p = make(qsl.tolist(), [c + k for c, k in zip(ctx, q)], pages=40, page_size=ps, layout=layout)
+    e = expanded_context_plan(p)
+    t = sum(q)
+    assert (e.num_tokens, e.batch_size, e.max_q_len) == (t, t, 1)
+    assert e.query_start_loc.tolist() == list(range(t + 1)) and e.q_lens.tolist() == [1] * t
+    seen = [c + j + 1 for c, k in zip(ctx, q) for j in range(k)]
+    mine = [sum(1 for pos in range(s) if (pos // il) % n == r) for s in seen]  # positions this rank stores
+    assert e.context_lens.tolist() == seen and e.local_context_lens.tolist() == mine
+    assert e.max_local_context_len == max(mine) and e.max_context_len == max(seen)
+    assert torch.equal(e.block_table, p.block_table[p.token_request])
+    assert e.token_request.tolist() == list(range(t)) and e.token_offset.tolist() == [0] * t
+    assert e.write_rows.numel() == 0 and e.query_mask is None and e.max_page_id == p.max_page_id
+    with pytest.raises(ValueError, match="expected a causal step"):
+        expanded_context_plan(make([0, 2], [5], parents=torch.tensor([-1, 0])))

@@ -53,7 +53,7 @@ def digest(*parts: Any) -> int:
 
 
 def agree(kind: str, row: list[int], group: dist.ProcessGroup, device: torch.device | str | None) -> list[list[int]]:
-    """Every rank's ``row`` (up to 4 int64s) in one all-reduce; a host sync, for setup and plans only.
+    """Every rank's ``row`` (up to 5 int64s) in one all-reduce; a host sync, for setup and plans only.
 
     kind: one of AGREE_KINDS. Where ranks agree on different kinds (one builds a layer while another
         plans a step), every rank raises rather than read another collective's numbers.
@@ -63,8 +63,8 @@ def agree(kind: str, row: list[int], group: dist.ProcessGroup, device: torch.dev
         current one: the same rule on every rank, and one that cannot fail on a refusing rank.
     returns N rows, row r = rank r's.
     """
-    if kind not in AGREE_KINDS or len(row) > 4:
-        raise ValueError(f"expected kind in {AGREE_KINDS} and a row of up to 4 ints, got {kind!r}, {row!r}")
+    if kind not in AGREE_KINDS or len(row) > 5:
+        raise ValueError(f"expected kind in {AGREE_KINDS} and a row of up to 5 ints, got {kind!r}, {row!r}")
     n, r = dist.get_world_size(group), dist.get_rank(group)
     dev = torch.device("cpu")
     if dist.get_backend(group) == "nccl":
@@ -76,7 +76,7 @@ def agree(kind: str, row: list[int], group: dist.ProcessGroup, device: torch.dev
                 dev = None
         if dev is None or dev.type != "cuda" or dev.index is None or dev.index >= torch.cuda.device_count():
             dev = torch.device("cuda", torch.cuda.current_device())
-    rows = torch.zeros(n, 5, dtype=torch.int64, device=dev)
+    rows = torch.zeros(n, 6, dtype=torch.int64, device=dev)
     rows[r, 0] = AGREE_KINDS.index(kind) + 1
     rows[r, 1 : 1 + len(row)] = torch.tensor(row, dtype=torch.int64)
     dist.all_reduce(rows, group=group)

@@ -12,7 +12,10 @@ per layer, ``out = attn(q, k, v, k_cache, v_cache, plan)``, which on rank r:
 5. merge with (o_q, lse_q) -> output
 
 With the fused query pass (the default on CUDA in bf16/fp16), 1. runs inside 5.,
-one Triton kernel, and nothing overlaps 2.
+one Triton kernel, and nothing overlaps 2. With the expanded context pass
+(context_pass "expand", or "auto" where the backend prefers it), 3. runs one
+request per token over its whole causal prefix, new tokens read from the
+cache, and 1. and the query part of 5. are skipped.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from torch.profiler import record_function
 from twostage_mla import comm
 from twostage_mla.backends import AttentionSpec, CaptureLimits, select_backend, select_merge, select_query_merge
 from twostage_mla.layout import DCPLayout, _int_arg
-from twostage_mla.plan import StepPlan, _check_pages, plan_step
+from twostage_mla.plan import StepPlan, _check_pages, expanded_context_plan, plan_step
+
+CONTEXT_PASSES = ("split", "expand", "auto")
 
 # Profiler ranges of the per-layer call, in order (cheap when no profiler runs).
 PHASES = ("twostage.query_pass", "twostage.gather_q", "twostage.context_pass", "twostage.combine", "twostage.merge")
@@ -171,6 +176,16 @@ class TwoStageAttention:
         backend's own query pass plus a merge; needs CUDA, Triton and bf16
         or fp16. False never does. None (default): fused wherever that kernel
         runs. Measured on H200 in docs/performance.md.
+    context_pass: "split" (default): the non-causal context pass plus the
+        causal query pass over the fresh K/V, merged; the cache need not hold
+        the step's new tokens. "expand": the context pass alone, one request
+        per token over its whole causal prefix (no query pass, no query
+        merge); reads the new tokens from the cache, so the caller stores
+        them there before the call (plan.write_new_tokens, or the engine's
+        cache write, as for any paged kernel); causal steps only, no capture
+        limits. "auto": "expand" where the backend measured it faster (FlashInfer
+        MLA, 128+ gathered heads, 4+ tokens per request: compute-bound) and the
+        step allows it, else "split"; the same contract as "expand".
 
     One instance serves every layer with this config; ``plan`` once per step,
     then call it per layer. Example (one rank, CPU)::
@@ -197,6 +212,7 @@ class TwoStageAttention:
         max_pages: int | None = None,
         max_q_len: int | None = None,
         fuse_query: bool | None = None,
+        context_pass: str = "split",
     ) -> None:
         if group is not None and not isinstance(group, dist.ProcessGroup):  # nothing to agree through
             got = repr(group)
@@ -215,7 +231,7 @@ class TwoStageAttention:
         agreeing = size > 1 and (not isinstance(layout, DCPLayout) or size == layout.world_size)
         try:
             self._setup(config, layout, group, combine, backend, dtype, device, fuse_query,
-                        CaptureLimits(max_batch_size, max_tokens, max_pages, max_q_len))  # fmt: skip
+                        CaptureLimits(max_batch_size, max_tokens, max_pages, max_q_len), context_pass)  # fmt: skip
         except Exception:
             if agreeing:
                 comm.agree("layer", [1, 0], group, device)
@@ -231,10 +247,10 @@ class TwoStageAttention:
             if len({row[1] for row in rows}) > 1:
                 raise ValueError(
                     "expected the same layer on every rank of the DCP group (config, world_size, interleave, "
-                    f"combine, dtype), got different ones on ranks {comm.differing(rows)}"
+                    f"combine, dtype, context_pass), got different ones on ranks {comm.differing(rows)}"
                 )
 
-    def _setup(self, config, layout, group, combine, backend, dtype, device, fuse_query, limits) -> None:
+    def _setup(self, config, layout, group, combine, backend, dtype, device, fuse_query, limits, context_pass) -> None:
         if not isinstance(config, AttentionConfig):
             raise ValueError(f"expected config to be an AttentionConfig, got {type(config).__name__}")
         if not isinstance(layout, DCPLayout):
@@ -245,6 +261,14 @@ class TwoStageAttention:
             )
         if combine not in comm.COMBINE_METHODS:
             raise ValueError(f"expected combine in {comm.COMBINE_METHODS}, got {combine!r}")
+        if context_pass not in CONTEXT_PASSES:
+            raise ValueError(f"expected context_pass in {CONTEXT_PASSES}, got {context_pass!r}")
+        if context_pass == "expand" and limits.given:
+            raise ValueError(
+                "expected context_pass 'split' or 'auto' with capture limits (max_batch_size, max_tokens, max_pages), "
+                "got 'expand': the expanded pass has a request per token, which the fixed buffers are not sized for"
+            )
+        self.context_pass = context_pass
         if group is not None:  # a group that disagrees with the layout would read the wrong shard
             size, rank = dist.get_world_size(group), dist.get_rank(group)
             if (size, rank) != (layout.world_size, layout.rank):
@@ -292,12 +316,13 @@ class TwoStageAttention:
         # What every rank's layer must share, agreed in __init__ (the backend may differ: same maths).
         # By value, not repr: scale=1 and scale=1.0 (or a numpy float) are the same layer.
         layer = [float(v).hex() if f.name == "scale" else v for f in fields(config) for v in [getattr(config, f.name)]]
-        self._layer_digest = comm.digest(*layer, layout.world_size, layout.interleave, combine, dtype)
+        self._layer_digest = comm.digest(*layer, layout.world_size, layout.interleave, combine, dtype, context_pass)
 
     @property
-    def _made_for(self) -> tuple[bool, CaptureLimits]:
-        """A plan serves layers that planned alike: the fused kernel and the limits decide what it holds."""
-        return self.query_merge is not None, self.backend.limits
+    def _made_for(self) -> tuple[bool, CaptureLimits, str]:
+        """A plan serves layers that planned alike: the fused kernel, the limits and the context pass
+        decide what it holds (and a split layer's caller need not have cached the new tokens)."""
+        return self.query_merge is not None, self.backend.limits, self.context_pass
 
     @_on_device
     def plan(
@@ -346,9 +371,10 @@ class TwoStageAttention:
         if self.layout.world_size == 1:
             return
         if plan is None:
-            row = [1, 0, 0, 0]
+            row = [1, 0, 0, 0, 0]
         else:
-            row = [0, plan.num_tokens, plan.batch_size, comm.digest(plan.query_start_loc, plan.seq_lens, parents)]
+            digest = comm.digest(plan.query_start_loc, plan.seq_lens, parents)
+            row = [0, plan.num_tokens, plan.batch_size, digest, int(plan.context_plan is not None)]
         rows = comm.agree("step", row, self.group, self.device)
         refused = [r for r, row in enumerate(rows) if row[0]]
         if not refused and len({tuple(row) for row in rows}) == 1:
@@ -361,6 +387,12 @@ class TwoStageAttention:
             raise ValueError(
                 f"expected every rank of the DCP group to accept this step's metadata, got a refusal on rank(s) "
                 f"{refused} (their error names the argument)"
+            )
+        if len({tuple(row[:4]) for row in rows}) == 1:  # the same step, expanded on some ranks only
+            raise ValueError(
+                "expected the same context pass on every rank of the DCP group, got the expanded one on ranks "
+                f"{[r for r, row in enumerate(rows) if row[4]]} only (context_pass='auto' with backends that "
+                "differ across ranks): pass context_pass 'split' or 'expand'"
             )
         counts = ", ".join(f"rank {r}: T={x[1]} B={x[2]}" for r, x in enumerate(rows))
         raise ValueError(
@@ -395,10 +427,30 @@ class TwoStageAttention:
             )
         # B and T sized the layer's own fixed buffers below; pages are the backend's (it checks them).
         limits.check(max_batch_size=plan.batch_size, max_tokens=plan.num_tokens)
+        stamp = dict(backend=self.backend.name, spec=self.spec, made_for=self._made_for)
+        if self._expands(plan):
+            ctx = expanded_context_plan(plan)
+            ctx = replace(ctx, backend_state=self.backend.plan(ctx), **stamp)
+            return replace(plan, context_plan=ctx, **stamp)
         state = self.backend.plan(plan)
         if limits.given and self.query_merge is not None:
             plan = self._into_fixed_buffers(plan, masked)
-        return replace(plan, backend=self.backend.name, backend_state=state, spec=self.spec, made_for=self._made_for)
+        return replace(plan, backend_state=state, **stamp)
+
+    def _expands(self, plan: StepPlan) -> bool:
+        """Whether this step runs the expanded context pass (context_pass, the step, the backend)."""
+        if self.context_pass == "split" or plan.num_tokens == 0:
+            return False
+        if plan.query_mask is not None:
+            if self.context_pass == "expand":
+                raise ValueError(
+                    "expected no tree parents with context_pass='expand': a tree's token does not see every "
+                    "earlier token of its request; use 'split' or 'auto' (which splits tree steps)"
+                )
+            return False
+        if self.context_pass == "expand":
+            return True
+        return not self.backend.limits.given and self.backend.prefers_expanded_context(plan)
 
     def _into_fixed_buffers(self, plan: StepPlan, masked: bool) -> StepPlan:
         """The plan, stamped, with fused_plan: a copy whose kernel indices are the layer's fixed buffers."""
@@ -437,7 +489,9 @@ class TwoStageAttention:
         )
         if not ok:  # a plan of another config would run with its heads, scale or metadata
             def made_for(key: tuple | None) -> str:
-                return "" if key is None else f", fused={key[0]}" + (f", {key[1]}" if key[1].given else "")
+                if key is None:
+                    return ""
+                return f", fused={key[0]}, context_pass={key[2]!r}" + (f", {key[1]}" if key[1].given else "")
 
             raise ValueError(
                 f"expected plan from plan() of a layer with this config (backend {self.backend.name!r}, "
@@ -455,7 +509,8 @@ class TwoStageAttention:
                 "expected the latest plan of the layer that made it: under capture limits its fixed buffers hold "
                 "one step's indices at a time, and plan() has been called again since this plan was made"
             )
-        self.backend.check_plan(plan)  # a plan its kernels no longer hold: refused here, before any collective
+        # A plan its kernels no longer hold: refused here, before any collective.
+        self.backend.check_plan(plan.context_plan or plan)
         cfg, t = self.config, plan.num_tokens
         hk, d, dv = cfg.num_kv_heads, cfg.head_dim, cfg.head_dim_v
         _check("q", q, (t, cfg.num_heads, d), self.dtype, self.device)
@@ -492,6 +547,9 @@ class TwoStageAttention:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of the step's queries over context + new tokens, local heads.
 
+        Where the plan expands the context pass (context_pass "expand" or "auto"),
+        k_cache (and v_cache) must already hold the step's new tokens.
+
         q: (T, H, D) dtype, this rank's heads (MLA: absorbed queries).
         k: (T, H_kv, D) dtype, the step's fresh keys (MLA: the latent + rope).
         v: (T, H_kv, Dv) dtype; None for MLA (V = k[..., :Dv]).
@@ -509,10 +567,10 @@ class TwoStageAttention:
             lse = torch.zeros((0, cfg.num_heads), dtype=torch.float32, device=self.device)
             return (out, lse) if return_lse else out
 
-        n, q_local = self.layout.world_size, q
+        n, q_local, kplan = self.layout.world_size, q, plan.context_plan or plan
         if n > 1:
             gathered, work = comm.gather_queries(q, self.group)
-        if self.query_merge is None:
+        if self.query_merge is None and plan.context_plan is None:
             with record_function(PHASES[0]):
                 o_q, lse_q = self.backend.query(q, k, v, plan)  # overlaps the all-gather
         if n > 1:
@@ -520,7 +578,7 @@ class TwoStageAttention:
                 work.wait()
                 q = comm.from_rank_major(gathered, hk)
         with record_function(PHASES[2]):
-            o_c, lse_c = self.backend.context(q, k_cache, v_cache, plan)
+            o_c, lse_c = self.backend.context(q, k_cache, v_cache, kplan)
         if n == 1:
             o_c, lse_c = o_c[None], lse_c[None]
         else:
@@ -532,7 +590,12 @@ class TwoStageAttention:
                     o_c, lse_c = comm.combine_ag_rs(o_c, lse_c, self.group)
                     o_c, lse_c = o_c[None], lse_c[None]
         with record_function(PHASES[4]):
-            if self.query_merge is None:
+            if plan.context_plan is not None:  # the context states hold every key: merge the ranks' alone
+                if o_c.shape[0] == 1 and o_c.dtype == self.dtype:  # N = 1: the pass's own answer
+                    out, lse = o_c[0], lse_c[0]
+                else:
+                    out, lse = self.merge(o_c, lse_c, out_dtype=self.dtype)
+            elif self.query_merge is None:
                 out, lse = self.merge(o_c, lse_c, extra=(o_q, lse_q), out_dtype=self.dtype)
             else:  # query pass and merge in one kernel
                 kplan, longest = plan.fused_plan or plan, self.backend.limits.longest_request

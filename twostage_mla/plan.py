@@ -75,7 +75,11 @@ class StepPlan:
     # ... and this plan with its per-token indices and mask as views of those buffers: what the
     # kernel reads (a graph replays their addresses). The fields above stay this plan's own.
     fused_plan: Any = None
-    made_for: Any = None  # (fused query pass, capture limits) of the layer that planned it
+    made_for: Any = None  # (fused query pass, capture limits, context_pass) of the layer that planned it
+    # The expanded context pass (a layer's context_pass "expand" or "auto"): the StepPlan the
+    # context pass runs instead, one request per token over its whole causal prefix in the cache
+    # (see expanded_context_plan), with its own backend_state; None: the split.
+    context_plan: Any = None
 
     def new_token_slots(self) -> torch.Tensor:
         """(T,) int64: flat slot of each new token in this rank's cache, -1 if not here."""
@@ -292,3 +296,44 @@ def plan_step(
     slots = plan.new_token_slots()
     rows = (slots >= 0).nonzero().flatten()  # a host sync, once per step
     return replace(plan, write_rows=rows, write_slots=slots[rows])
+
+
+def expanded_context_plan(plan: StepPlan) -> StepPlan:
+    """The context pass of ``plan`` expanded: one request per token, over its whole causal prefix.
+
+    Token j of request b becomes request t (its index in the step) with q_len 1 and
+    context_lens[t] = C_b + j + 1 positions (its own included) read from the cache, so
+    local_context_lens[t] = local_len(C_b + j + 1, r) slots of this rank's shard: a plain
+    non-causal pass then gives each token exactly the keys the causal mask lets it see, the step's
+    new tokens included, and no query pass is needed. Those must be in the cache before the pass
+    (write_new_tokens). Exact for causal steps only (a tree's token does not see every earlier one).
+
+    plan: a causal StepPlan (query_mask None). returns: a StepPlan for the context pass alone
+    (B' = T requests; block_table (T, W) = plan.block_table[token_request]; nothing to write).
+    Reads lengths on the host: call it at plan time.
+    """
+    if plan.query_mask is not None:
+        raise ValueError("expected a causal step (no tree parents) to expand its context pass, got a tree mask")
+    layout, t, dev = plan.layout, plan.num_tokens, plan.query_start_loc.device
+    req, off = plan.token_request.cpu(), plan.token_offset.cpu()
+    seen = plan.context_lens.cpu().long()[req] + off + 1
+    local = local_len(seen, layout.world_size, layout.interleave, layout.rank)
+    i32 = dict(dtype=torch.int32, device=dev)
+    none = torch.zeros(0, dtype=torch.int64, device=dev)
+    return replace(
+        plan,
+        batch_size=t,
+        max_q_len=min(t, 1),
+        max_context_len=int(seen.max()) if t else 0,
+        max_local_context_len=int(local.max()) if t else 0,
+        query_start_loc=torch.arange(t + 1, **i32),
+        seq_lens=(seen + 1).to(**i32),  # formal: the pass reads context_lens keys and no new token
+        q_lens=torch.ones(t, **i32),
+        context_lens=seen.to(**i32),
+        local_context_lens=local.to(**i32),
+        block_table=plan.block_table.index_select(0, plan.token_request),
+        token_request=torch.arange(t, device=dev),
+        token_offset=torch.zeros(t, dtype=torch.int64, device=dev),
+        write_rows=none,
+        write_slots=none,
+    )

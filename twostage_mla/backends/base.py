@@ -237,6 +237,17 @@ class AttentionBackend:
         """
         return None
 
+    def prefers_expanded_context(self, plan: StepPlan) -> bool:
+        """Whether a layer with context_pass="auto" expands this step's context pass
+        (:func:`twostage_mla.plan.expanded_context_plan`: one request per token over its whole
+        causal prefix, no query pass, no query merge). Where the context pass is compute-bound the
+        expanded pass costs about what the split's does, and the query pass and its merge are saved.
+        False here: a backend says True only where it was measured faster.
+
+        plan: the step's causal StepPlan, without backend state.
+        """
+        return False
+
     def check_plan(self, plan: StepPlan) -> None:
         """Raise unless this backend's kernels can still run ``plan`` (a no-op where plans hold
         their own tensors). The layer calls it before any collective."""

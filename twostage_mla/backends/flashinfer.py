@@ -347,6 +347,13 @@ class FlashInferBackend(AttentionBackend):
             empty = buf
         return FlashInferState(w, w.generation, empty, context, query_kernel)
 
+    def prefers_expanded_context(self, plan: StepPlan) -> bool:
+        # Measured on H100 and H200 (docs/performance.md, "The expanded context pass"): from 128
+        # gathered heads and 4 tokens per request the MLA kernel is compute-bound, the expanded pass
+        # takes what the non-causal one does, and the split's query merge (a pass over T x H x Dv
+        # outputs) is saved; at 2 tokens per request the split was faster, at 16 heads by far.
+        return self._mla and self._ctx_heads >= 128 and plan.num_tokens >= 4 * plan.batch_size
+
     def _check_works(self, name: str, plan: StepPlan, heads: int) -> None:
         works = _mla_work_bound(plan.num_tokens, plan.batch_size, heads, self._num_sm)
         if works > _MLA_MAX_WORKS:
