@@ -61,8 +61,10 @@ def _config(mla: bool, page_size: int, heads: int = 4) -> AttentionConfig:
     )
 
 
-def _layer(name: str, cfg: AttentionConfig, layout: DCPLayout, limits: CaptureLimits | None = None):
-    attn = TwoStageAttention(cfg, layout, backend="reference", dtype=torch.float32, device="cpu")
+def _layer(name: str, cfg: AttentionConfig, layout: DCPLayout, limits: CaptureLimits | None = None,
+           context_pass: str = "split"):
+    attn = TwoStageAttention(cfg, layout, backend="reference", dtype=torch.float32, device="cpu",
+                             context_pass=context_pass)
     attn.backend = FAST[name](attn.spec, limits)  # bypass the device check: the kernels are stand-ins
     return attn
 
@@ -81,8 +83,13 @@ def _cases(name: str) -> list[tuple[bool, int, bool]]:
     return out
 
 
-@pytest.mark.parametrize("name,mla,page_size,tree", [(n, *c) for n in FAST for c in _cases(n)], ids=lambda x: str(x))
-def test_layer_matches_oracle(emulated, name, mla, page_size, tree):
+# Tree steps are refused by the expanded pass (tests/test_layer.py).
+@pytest.mark.parametrize(
+    "name,mla,page_size,tree,context_pass",
+    [(n, *c, cp) for n in FAST for c in _cases(n) for cp in ("split", "expand") if not (c[2] and cp == "expand")],
+    ids=lambda x: str(x),
+)
+def test_layer_matches_oracle(emulated, name, mla, page_size, tree, context_pass="split"):
     cfg = _config(mla, page_size)
     step = synthetic.make_step(
         [0, 5, 37, 100, 1, 2 * page_size],  # the last: a full last page (FlashInfer's last_page_len = page_size)
@@ -96,8 +103,28 @@ def test_layer_matches_oracle(emulated, name, mla, page_size, tree):
         seed=3,
     )
     x = synthetic.rank_inputs(step, DCPLayout(), page_size, mla=mla, dtype=torch.float32, device="cpu")
-    attn = _layer(name, cfg, DCPLayout())
+    attn = _layer(name, cfg, DCPLayout(), context_pass=context_pass)
     plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)
+    assert (plan.context_plan is not None) == (context_pass == "expand")
+    out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
+    ref_o, ref_lse = synthetic.oracle(step, cfg.scale)
+    assert torch.allclose(out.double(), ref_o, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,q_len,limits,expands", [
+    (128, 4, None, True), (128, 2, None, False), (64, 8, None, False), (16, 8, None, False),
+    (128, 4, CaptureLimits(8, 64, 64), False),
+])  # fmt: skip
+def test_flashinfer_auto_expands_where_it_measured_faster(emulated, heads, q_len, limits, expands):
+    # Measured on H100 and H200 (docs/performance.md): 128 heads and 4 tokens per request or more.
+    cfg = _config(True, 16, heads)
+    step = synthetic.make_step([0, 30, 70], [q_len] * 3, heads=heads, head_dim=cfg.head_dim,
+                               head_dim_v=cfg.head_dim_v, seed=4)  # fmt: skip
+    x = synthetic.rank_inputs(step, DCPLayout(), 16, mla=True, dtype=torch.float32, device="cpu")
+    attn = _layer("flashinfer", cfg, DCPLayout(), limits, context_pass="auto")
+    plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+    assert (plan.context_plan is not None) == expands
     out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
     ref_o, ref_lse = synthetic.oracle(step, cfg.scale)
     assert torch.allclose(out.double(), ref_o, atol=1e-5, rtol=1e-5)
