@@ -35,6 +35,9 @@
 #                                           # check, the README's demo on the GPU), a call each
 #   bash benchmarks/gpu_verify.sh capture   # one GPU: kernel tests, the kernel with and without a causal mask,
 #                                           # the layer's graph, tree, NaN and empty-row tests
+#   bash benchmarks/gpu_verify.sh expand    # one GPU: bench B = 32 (C 1K - 128K, Q 1 - 8, 16 / 64 / 128 heads,
+#                                           # context_pass 'auto' and the split where it expands), then the
+#                                           # one-GPU tests of the expanded pass, graphs and the oracle grid
 #   bash benchmarks/gpu_verify.sh capacity  # one GPU: FlashInfer's MLA planner past 16384 work items, the layer's
 #                                           # refusal, bench at B = 32, Q = 4 with FlashInfer
 #   bash benchmarks/gpu_verify.sh release VERSION [EXPR]  # the same with another FlashInfer release (from
@@ -45,7 +48,7 @@
 # On one GPU (nvidia-h200) speed and final skip what needs two.
 # Carry ".whl" (FlashInfer wheels, from ../shared/device/wheels.sh); logs and JSON land in $OUT.
 set -u
-part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|bench|tests|layer|heads|recheck|main|model|capture|suite|capacity|release}
+part=${1:?usage: gpu_verify.sh correct|speed|final|kernel|grid|bench|tests|layer|heads|recheck|main|model|capture|suite|expand|capacity|release}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export MAX_JOBS=16 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TQDM_MININTERVAL=30
@@ -95,7 +98,20 @@ deepseek() {  # SECONDS LINES ARGS...: the DeepSeek-V3 example at real dims on C
   echo "rc=${PIPESTATUS[0]}"  # the example exits 1 when its tokens or errors fail
 }
 
-if [ "$part" = capacity ] || [ "$part" = release ]; then
+if [ "$part" = expand ]; then
+  jit "mla bfloat16"
+  jit_wait
+  jit "mla float16" "gqa bfloat16" "gqa float16"  # for the tests, while the bench runs
+  stamp "bench B = 32, context_pass 'auto' and the split where it expands (FlashInfer builds meanwhile)"
+  timeout 300 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K,128K --q-len 1,2,4,8 --heads 16,64,128 \
+    --backends flashinfer --split --methods twostage,onepass,expand,floor --out "$OUT/bench_expand.json" 2>&1 | tail -60
+  jit_wait
+  stamp "one-GPU tests: the expanded pass, graphs, the oracle grid (log: gpu_tests_expand.log)"
+  timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
+    -k "expanded or auto_at_128 or cuda_graph_replay or backend_matches_oracle" --timeout 150 \
+    > "$OUT/gpu_tests_expand.log" 2>&1
+  grep -v "^SKIPPED" "$OUT/gpu_tests_expand.log" | grep -v "^  \|^$" | tail -16
+elif [ "$part" = capacity ] || [ "$part" = release ]; then
   tag=$(python3 -c "import flashinfer; print(flashinfer.__version__)")
   if [ "$part" = release ]; then  # the GQA builds (~110 s) only where the tests take GQA
     case "${3:-gqa}" in *gqa*) jit "mla bfloat16" "mla float16" "gqa bfloat16" "gqa float16" ;; *) jit "mla bfloat16" ;; esac

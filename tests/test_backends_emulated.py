@@ -89,7 +89,7 @@ def _cases(name: str) -> list[tuple[bool, int, bool]]:
     [(n, *c, cp) for n in FAST for c in _cases(n) for cp in ("split", "expand") if not (c[2] and cp == "expand")],
     ids=lambda x: str(x),
 )
-def test_layer_matches_oracle(emulated, name, mla, page_size, tree, context_pass="split"):
+def test_layer_matches_oracle(emulated, name, mla, page_size, tree, context_pass):
     cfg = _config(mla, page_size)
     step = synthetic.make_step(
         [0, 5, 37, 100, 1, 2 * page_size],  # the last: a full last page (FlashInfer's last_page_len = page_size)
@@ -691,8 +691,8 @@ def test_torch_flash_reads_pages_in_place_only_for_fa2_page_sizes(monkeypatch):
 @pytest.mark.parametrize(
     "check",
     [
-        lambda: test_layer_matches_oracle(None, "flashinfer", True, 16, False),
-        lambda: test_layer_matches_oracle(None, "flashinfer", True, 16, True),
+        lambda: test_layer_matches_oracle(None, "flashinfer", True, 16, False, "expand"),
+        lambda: test_layer_matches_oracle(None, "flashinfer", True, 16, True, "split"),
         lambda: test_passes_match_reference_on_a_shard(None, "flashinfer", True),
         lambda: test_flashinfer_stale_plan_and_capture_limits(None),
         lambda: test_capture_mode_empty_rows_are_refilled_each_step(None, True),

@@ -82,7 +82,7 @@ def _served_config(name: str, fmt: str) -> AttentionConfig:
     return cfg
 
 
-def _run(name, cfg, dtype, ctx, ql, *, tree=False, seed=0, limits=None, fuse=None, fill=None):
+def _run(name, cfg, dtype, ctx, ql, *, tree=False, seed=0, limits=None, fuse=None, fill=None, context_pass="split"):
     fmt_mla = cfg.kv_format == "mla"
     step = synthetic.make_step(
         ctx,
@@ -99,7 +99,8 @@ def _run(name, cfg, dtype, ctx, ql, *, tree=False, seed=0, limits=None, fuse=Non
     x = synthetic.rank_inputs(
         step, DCPLayout(), cfg.page_size, mla=fmt_mla, dtype=dtype, device=DEV, seed=seed, fill=fill
     )
-    attn = TwoStageAttention(cfg, DCPLayout(), backend=name, dtype=dtype, device=DEV, fuse_query=fuse, **(limits or {}))
+    attn = TwoStageAttention(cfg, DCPLayout(), backend=name, dtype=dtype, device=DEV, fuse_query=fuse,
+                             context_pass=context_pass, **(limits or {}))
     plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table, parents=x.parents)
     return step, x, attn, plan
 
@@ -305,6 +306,44 @@ def test_cuda_graph_replay_matches_eager(name, fmt, fuse, tree):
     torch.cuda.synchronize()
     assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
     _check(step, cfg, torch.bfloat16, out, lse, name)
+
+
+EXPAND_CASES = [(fmt, dtype) for fmt in ("mla", "gqa") for dtype in (torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize("name", [n for n in backend_names()])
+@pytest.mark.parametrize("fmt,dtype", EXPAND_CASES, ids=[f"{f}-{str(d)[6:]}" for f, d in EXPAND_CASES])
+def test_expanded_context_pass_matches_oracle(name, fmt, dtype):
+    # Unwritten slots hold NaN: the expanded pass reads the new tokens' slots, which the shard holds.
+    cfg = _config(fmt, 16 if fmt == "mla" else 8, 64)
+    if name not in _serving(cfg, dtype):
+        pytest.skip(f"{name}: {'; '.join(refusals(_spec(cfg, dtype))[name])}")
+    ctx, ql = [0, 1, 63, 64, 700, 2500], [5, 1, 16, 2, 8, 3]
+    step, x, attn, plan = _run(name, cfg, dtype, ctx, ql, seed=11, fill=float("nan"), context_pass="expand")
+    assert plan.context_plan is not None
+    out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
+    rel, lse_err = _check(step, cfg, dtype, out, lse, f"{name} expanded")
+    print(f"{name} {fmt} {dtype} expanded: rel {rel:.2e} lse {lse_err:.2e}")
+
+
+@pytest.mark.parametrize("q_len,expands", [(4, True), (8, True), (2, False)])
+def test_flashinfer_auto_at_128_heads_matches_oracle_eager_and_in_a_graph(q_len, expands):
+    cfg = _config("mla", 128, 64)
+    if "flashinfer" not in _serving(cfg, torch.bfloat16):
+        pytest.skip("flashinfer does not serve MLA here")
+    ctx = [0, 63, 700, 2100, 5000, 64, 1, 300]
+    step, x, attn, plan = _run("flashinfer", cfg, torch.bfloat16, ctx, [q_len] * len(ctx), seed=q_len,
+                               context_pass="auto")  # fmt: skip
+    assert (plan.context_plan is not None) == expands
+    plan.write_new_tokens(x.k_cache, x.k)  # the contract of 'auto' (the shard holds them already)
+    eager, eager_lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
+    g, (out, lse) = _graph(lambda: attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True))
+    for _ in range(20):
+        out.fill_(float("nan"))
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
+    _check(step, cfg, torch.bfloat16, out, lse, f"flashinfer auto q_len {q_len}")
 
 
 @pytest.mark.parametrize("max_tokens", [16, 32])

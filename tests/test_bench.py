@@ -52,6 +52,10 @@ def test_table_and_targets():
     row = next(r for r in table.splitlines() if r.split()[:4] == ["32", "8192", "4", "16"])
     assert row.rstrip().endswith("0.960"), row
     assert "overhead B=32 Q=4 H=16 C=8192: 8.0 us = query pass fused in the merge; that kernel alone: 6.5 us" in report
+    # an expanded point is marked in the table, with the legend below it
+    recs[-1]["context_pass"] = "expand"
+    marked = bench.format_table(recs).splitlines()
+    assert marked[-1].startswith("* the expanded context pass") and sum("*" in line for line in marked) == 2
 
 
 def test_plot(tmp_path):

@@ -2,9 +2,12 @@
 
 Methods (MLA, one rank, N = 1), for B requests of context C and Q new tokens:
 
-    twostage  the layer (query pass + non-causal context pass + merge), per backend;
-              also timed: its context pass alone, the rest (overhead = layer -
-              context pass), and the fused query+merge kernel alone
+    twostage  the layer, per backend, with context_pass="auto": query pass +
+              non-causal context pass + merge, or where the backend prefers it
+              the expanded context pass alone (the step's new tokens written
+              into the cache first, as its contract asks); also timed: its
+              context pass alone, the rest (overhead = layer - context pass),
+              and the fused query+merge kernel alone
     onepass   one causal FlashInfer MLA call over the whole request (C + Q keys):
               the kernel's own answer when nothing is sharded
     expand    each of the Q queries as its own q_len = 1 request with kv
@@ -82,6 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unfused", action="store_true",
                    help="also time each backend with its own query pass and a separate merge (fuse_query=False), "
                         "as backend '<name>-unfused'; plain '<name>' is the layer's default")
+    p.add_argument("--split", action="store_true",
+                   help="also time each backend with context_pass='split' where 'auto' expands, as '<name>-split'")
     p.add_argument("--slow-ms", type=float, default=30.0,
                    help="a backend slower than this at a point is timed with 3 eager calls only (default %(default)s)")
     p.add_argument("--out", default="benchmarks/results/bench.json",
@@ -362,16 +367,20 @@ def _measure_point(run: _Run, cache: torch.Tensor, table: torch.Tensor, gen: tor
     fns: dict[str, Callable[[], Any]] = {}
     keep: list[Any] = []
     if "twostage" in methods:
-        for name, label, fuse in _variants(run.backends_for(h), args.unfused):
-            if (label, b, q, h) in slow:
+        expanded = set()  # backends whose default layer expands this point
+        for name, label, fuse, cpass in _variants(run.backends_for(h), args.unfused, args.split):
+            if (label, b, q, h) in slow or (cpass == "split" and name not in expanded):
                 continue
             attn = layers.get((label, h))
             if attn is None:
                 cfg = AttentionConfig.mla(num_heads=h, kv_lora_rank=dv, rope_dim=args.rope_dim, page_size=ps,
                                           scale=scale)
                 attn = layers[(label, h)] = TwoStageAttention(cfg, DCPLayout(), backend=name, dtype=dt, device=dev,
-                                                              fuse_query=fuse)
-            fns.update(_twostage_fns(label, attn, attn.plan(qsl, seq, table), qx, kx, cache))
+                                                              fuse_query=fuse, context_pass=cpass)
+            plan = attn.plan(qsl, seq, table)
+            if plan.context_plan is not None and label == name:
+                expanded.add(name)
+            fns.update(_twostage_fns(label, attn, plan, qx, kx, cache))
     if has_fi and "onepass" in methods:
         keep.append(_MLACall(qx, cache, qsl, seq, table, True, scale, dv))
         fns["onepass"] = keep[-1]
@@ -397,8 +406,10 @@ def _measure_point(run: _Run, cache: torch.Tensor, table: torch.Tensor, gen: tor
         apart = (cache[:, :, 0, :dv].contiguous(), cache[:, :, 0, dv:].contiguous())
         keep.append(_MLACall(qx, apart, qsl, ctx_lens, table, False, scale, dv))
         fns["context_caches_apart"] = keep[-1]
+    passes = {n.removesuffix(":full"): "expand" if getattr(f, "expanded", False) else "split"
+              for n, f in fns.items() if n.endswith(":full")}
     res = time_many(fns, graph=graph, slow_ms=args.slow_ms)
-    for _, name, _fuse in _variants(run.backends_for(h), args.unfused):
+    for _, name, _fuse, _cpass in _variants(run.backends_for(h), args.unfused, args.split):
         if f"{name}:full" not in res:
             continue
         (full, g1), (ctx, _) = res[f"{name}:full"], res[f"{name}:context"]
@@ -406,7 +417,7 @@ def _measure_point(run: _Run, cache: torch.Tensor, table: torch.Tensor, gen: tor
         rest = res[f"{name}:rest"][0] if f"{name}:rest" in res else None
         rec("twostage", name, full, g1, context_us=ctx, overhead_us=full - ctx, rest_alone_us=rest, query_us=qry,
             merge_us=None if qry is None else full - ctx - qry, context_gbps=kv_bytes / (ctx * 1e-6) / 1e9,
-            fused_query=layers[(name, h)].query_merge is not None)
+            fused_query=layers[(name, h)].query_merge is not None, context_pass=passes[name])
         if full > args.slow_ms * 1e3:
             slow.add((name, b, q, h))
     for m in ("onepass", "expand"):
@@ -418,12 +429,25 @@ def _measure_point(run: _Run, cache: torch.Tensor, table: torch.Tensor, gen: tor
 
 
 def _twostage_fns(name: str, attn: TwoStageAttention, plan: Any, qx, kx, cache) -> dict[str, Callable[[], Any]]:
-    """The layer call, its context pass alone and its query pass alone, for one planned step."""
+    """The layer call, its context pass alone and its query pass alone, for one planned step.
+
+    The step's new tokens are written into the cache first (the expanded pass reads them there;
+    onepass and expand read the same slots), not timed: an engine writes them for any kernel.
+    """
     dv = attn.config.head_dim_v
+    plan.write_new_tokens(cache, kx)
+    kplan = plan.context_plan or plan
+
+    def full() -> Any:
+        return attn(qx, kx, None, cache, None, plan)
+
+    full.expanded = plan.context_plan is not None  # type: ignore[attr-defined]
     fns = {
-        f"{name}:full": lambda: attn(qx, kx, None, cache, None, plan),
-        f"{name}:context": lambda: attn.backend.context(qx, cache, cache[..., :dv], plan),
+        f"{name}:full": full,
+        f"{name}:context": lambda: attn.backend.context(qx, cache, cache[..., :dv], kplan),
     }
+    if plan.context_plan is not None:  # nothing besides the context pass at N = 1
+        return fns
     if attn.query_merge is None:  # a separate query pass to time (fused: it lives in the merge kernel)
         fns[f"{name}:query"] = lambda: attn.backend.query(qx, kx, kx[..., :dv], plan)
     else:  # the fused kernel alone, on the context pass's state: the overhead without the noise of a difference
@@ -433,10 +457,12 @@ def _twostage_fns(name: str, attn: TwoStageAttention, plan: Any, qx, kx, cache) 
     return fns
 
 
-def _variants(names: list[str], unfused: bool) -> list[tuple[str, str, bool | None]]:
-    """(backend, label, fuse_query) to time: each backend with the layer's default, and unfused if asked."""
-    out = [(n, n, None) for n in names]
-    return out + ([(n, f"{n}-unfused", False) for n in names] if unfused else [])
+def _variants(names: list[str], unfused: bool, split: bool) -> list[tuple[str, str, bool | None, str]]:
+    """(backend, label, fuse_query, context_pass) to time: each backend with context_pass 'auto', then
+    unfused and with the split forced if asked (the split only where 'auto' expands, timed after it)."""
+    out = [(n, n, None, "auto") for n in names]
+    out += [(n, f"{n}-unfused", False, "auto") for n in names] if unfused else []
+    return out + ([(n, f"{n}-split", None, "split") for n in names] if split else [])
 
 
 def _dump(records: list[dict], path: str) -> None:
@@ -478,11 +504,14 @@ def format_table(records: list[dict]) -> str:
             r = idx.get(("twostage", n, b, c, q, h))
             if r:
                 ratio = None if one is None else r["time_us"] / one
-                row += f" | {r['time_us']:>15.1f} {r['context_us']:>8.1f} {r['overhead_us']:>6.1f} "
+                mark = "*" if r.get("context_pass") == "expand" else " "
+                row += f" | {r['time_us']:>14.1f}{mark} {r['context_us']:>8.1f} {r['overhead_us']:>6.1f} "
                 row += _cell(ratio, 6, ".3f")
             else:
                 row += f" | {'-':>15} {'-':>8} {'-':>6} {'-':>6}"
         lines.append(row)
+    if any(r.get("context_pass") == "expand" for r in records if r["method"] == "twostage"):
+        lines.append("* the expanded context pass (context_pass 'auto' chose it; no query pass, no merge)")
     return "\n".join(lines)
 
 
@@ -491,7 +520,7 @@ def check_targets(records: list[dict]) -> str:
     idx = _index(records)
     copy = next((r["gbps"] for r in records if r["method"] == "copy"), float("nan"))
     fi = "flashinfer"
-    lines = ["targets (twostage = flashinfer backend as the layer defaults, N = 1, CUDA graph):"]
+    lines = ["targets (twostage = the layer on the flashinfer backend, context_pass 'auto', N = 1, CUDA graph):"]
 
     def get(m, be, b, c, q, h):
         r = idx.get((m, be, b, c, q, h))
