@@ -37,7 +37,8 @@
 #                                           # the layer's graph, tree, NaN and empty-row tests
 #   bash benchmarks/gpu_verify.sh expand    # one GPU: bench B = 32 (C 1K - 128K, Q 1 - 8, 16 / 64 / 128 heads,
 #                                           # context_pass 'auto' and the split where it expands), then the
-#                                           # one-GPU tests of the expanded pass, graphs and the oracle grid
+#                                           # one-GPU tests of the expanded pass, graphs and the oracle grid;
+#                                           # BATCH=1,8,32,64 HEADS=16,128 BENCH_S=450: the whole grid
 #   bash benchmarks/gpu_verify.sh capacity  # one GPU: FlashInfer's MLA planner past 16384 work items, the layer's
 #                                           # refusal, bench at B = 32, Q = 4 with FlashInfer
 #   bash benchmarks/gpu_verify.sh release VERSION [EXPR]  # the same with another FlashInfer release (from
@@ -103,8 +104,9 @@ if [ "$part" = expand ]; then
   jit_wait
   jit "mla float16" "gqa bfloat16" "gqa float16"  # for the tests, while the bench runs
   stamp "bench B = 32, context_pass 'auto' and the split where it expands (FlashInfer builds meanwhile)"
-  timeout 300 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K,128K --q-len 1,2,4,8 --heads 16,64,128 \
-    --backends flashinfer --split --methods twostage,onepass,expand,floor --out "$OUT/bench_expand.json" 2>&1 | tail -60
+  timeout "${BENCH_S:-300}" python3 -m twostage_mla bench --batch "${BATCH:-32}" --context 1K,8K,32K,128K \
+    --q-len 1,2,4,8 --heads "${HEADS:-16,64,128}" --backends flashinfer --split \
+    --methods twostage,onepass,expand,floor --out "$OUT/bench_expand.json" 2>&1 | tail -"${TAIL:-60}"
   jit_wait
   stamp "one-GPU tests: the expanded pass, graphs, the oracle grid (log: gpu_tests_expand.log)"
   timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \
