@@ -38,7 +38,8 @@
 #   bash benchmarks/gpu_verify.sh expand    # one GPU: bench B = 32 (C 1K - 128K, Q 1 - 8, 16 / 64 / 128 heads,
 #                                           # context_pass 'auto' and the split where it expands), then the
 #                                           # one-GPU tests of the expanded pass, graphs and the oracle grid;
-#                                           # BATCH=1,8,32,64 HEADS=16,128 BENCH_S=450: the whole grid
+#                                           # BATCH=1,8,32,64 HEADS=16,128 BENCH_S=450: the whole grid;
+#                                           # LONG_BUDGET=S: then B = 32, Q = 4, 8 again with S s of rounds a point
 #   bash benchmarks/gpu_verify.sh capacity  # one GPU: FlashInfer's MLA planner past 16384 work items, the layer's
 #                                           # refusal, bench at B = 32, Q = 4 with FlashInfer
 #   bash benchmarks/gpu_verify.sh release VERSION [EXPR]  # the same with another FlashInfer release (from
@@ -107,6 +108,12 @@ if [ "$part" = expand ]; then
   timeout "${BENCH_S:-300}" python3 -m twostage_mla bench --batch "${BATCH:-32}" --context 1K,8K,32K,128K \
     --q-len 1,2,4,8 --heads "${HEADS:-16,64,128}" --backends flashinfer --split \
     --methods twostage,onepass,expand,floor --out "$OUT/bench_expand.json" 2>&1 | tail -"${TAIL:-60}"
+  if [ -n "${LONG_BUDGET:-}" ]; then  # the target points again, with longer rounds: less timing noise
+    stamp "bench B = 32, Q = 4, 8, 16 and 128 heads, --budget-s $LONG_BUDGET"
+    timeout 300 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K,128K --q-len 4,8 --heads 16,128 \
+      --backends flashinfer --split --budget-s "$LONG_BUDGET" --methods twostage,onepass,expand,floor \
+      --out "$OUT/bench_expand_long.json" 2>&1 | tail -40
+  fi
   jit_wait
   stamp "one-GPU tests: the expanded pass, graphs, the oracle grid (log: gpu_tests_expand.log)"
   timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not multigpu" tests/test_backends_gpu.py \

@@ -112,14 +112,16 @@ def test_layer_matches_oracle(emulated, name, mla, page_size, tree, context_pass
     assert torch.allclose(lse.double(), ref_lse, atol=1e-5)
 
 
-@pytest.mark.parametrize("heads,q_len,limits,expands", [
-    (128, 4, None, True), (128, 2, None, False), (64, 8, None, True), (64, 4, None, False), (16, 8, None, False),
-    (16, 32, None, False), (128, 4, CaptureLimits(8, 64, 64), False),
+@pytest.mark.parametrize("heads,batch,q_len,limits,expands", [
+    (128, 32, 4, None, True), (128, 64, 2, None, True), (64, 32, 8, None, True), (128, 32, 2, None, False),
+    (128, 8, 8, None, False), (128, 128, 1, None, False), (64, 32, 4, None, False), (32, 16, 32, None, False),
+    (128, 32, 4, CaptureLimits(32, 128, 4096), False),
 ])  # fmt: skip
-def test_flashinfer_auto_expands_where_it_measured_faster(emulated, heads, q_len, limits, expands):
-    # Measured on an H100 (docs/performance.md): 512 packed rows a request (heads x tokens), 64 heads or more.
+def test_flashinfer_auto_expands_where_it_measured_faster(emulated, heads, batch, q_len, limits, expands):
+    # Measured on an H100 (docs/performance.md): 16384 packed rows (tokens x heads) and 256 a request, 64+ heads.
     cfg = _config(True, 16, heads)
-    step = synthetic.make_step([0, 30, 70], [q_len] * 3, heads=heads, head_dim=cfg.head_dim,
+    ctx = [(0, 30, 70)[b % 3] for b in range(batch)]
+    step = synthetic.make_step(ctx, [q_len] * batch, heads=heads, head_dim=cfg.head_dim,
                                head_dim_v=cfg.head_dim_v, seed=4)  # fmt: skip
     x = synthetic.rank_inputs(step, DCPLayout(), 16, mla=True, dtype=torch.float32, device="cpu")
     attn = _layer("flashinfer", cfg, DCPLayout(), limits, context_pass="auto")

@@ -331,7 +331,7 @@ def test_flashinfer_auto_at_128_heads_matches_oracle_eager_and_in_a_graph(q_len,
     cfg = _config("mla", 128, 64)
     if "flashinfer" not in _serving(cfg, torch.bfloat16):
         pytest.skip("flashinfer does not serve MLA here")
-    ctx = [0, 63, 700, 2100, 5000, 64, 1, 300]
+    ctx = [0, 63, 700, 2100, 5000, 64, 1, 300] * 4  # 32 requests: 16384 packed rows from q_len 4
     step, x, attn, plan = _run("flashinfer", cfg, torch.bfloat16, ctx, [q_len] * len(ctx), seed=q_len,
                                context_pass="auto")  # fmt: skip
     assert (plan.context_plan is not None) == expands

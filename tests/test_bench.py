@@ -97,6 +97,7 @@ def test_bad_options_are_refused_by_name():
         (["--page-size", "0"], r"--page-size >= 1, got 0"),
         (["--rope-dim", "-1"], r"--rope-dim >= 0, got -1"),
         (["--slow-ms", "0"], r"--slow-ms > 0, got 0.0"),
+        (["--budget-s", "-1"], r"--budget-s > 0, got -1.0"),
         (["--backends", ", ,"], r"--backends 'all' or a comma list of .*got ', ,'"),
     ):
         with pytest.raises(ValueError, match=match):

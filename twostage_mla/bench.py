@@ -87,6 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "as backend '<name>-unfused'; plain '<name>' is the layer's default")
     p.add_argument("--split", action="store_true",
                    help="also time each backend with context_pass='split' where 'auto' expands, as '<name>-split'")
+    p.add_argument("--budget-s", type=float, default=0.6,
+                   help="seconds of timed rounds per grid point, at least 7 rounds (default %(default)s)")
     p.add_argument("--slow-ms", type=float, default=30.0,
                    help="a backend slower than this at a point is timed with 3 eager calls only (default %(default)s)")
     p.add_argument("--out", default="benchmarks/results/bench.json",
@@ -256,6 +258,8 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
             raise ValueError(f"expected --{name.replace('_', '-')} >= {lo}, got {getattr(args, name)}")
     if not args.slow_ms > 0:
         raise ValueError(f"expected --slow-ms > 0, got {args.slow_ms}")
+    if not args.budget_s > 0:
+        raise ValueError(f"expected --budget-s > 0, got {args.budget_s}")
     # Checked here, not after the first grid point's minutes; made only once there are records (_dump).
     probe = os.path.dirname(os.path.abspath(args.out))
     while not os.path.exists(probe):
@@ -408,7 +412,7 @@ def _measure_point(run: _Run, cache: torch.Tensor, table: torch.Tensor, gen: tor
         fns["context_caches_apart"] = keep[-1]
     passes = {n.removesuffix(":full"): "expand" if getattr(f, "expanded", False) else "split"
               for n, f in fns.items() if n.endswith(":full")}
-    res = time_many(fns, graph=graph, slow_ms=args.slow_ms)
+    res = time_many(fns, graph=graph, slow_ms=args.slow_ms, budget_s=args.budget_s)
     for _, name, _fuse, _cpass in _variants(run.backends_for(h), args.unfused, args.split):
         if f"{name}:full" not in res:
             continue

@@ -348,14 +348,15 @@ class FlashInferBackend(AttentionBackend):
         return FlashInferState(w, w.generation, empty, context, query_kernel)
 
     def prefers_expanded_context(self, plan: StepPlan) -> bool:
-        # Measured on an H100 (docs/performance.md, "The expanded context pass"): where a request
-        # packs 512 rows (gathered heads x its tokens) or more, at 64 heads or more, the MLA kernel is
-        # compute-bound, the expanded pass takes what the non-causal one does (0.98 - 1.00x) and the
-        # split's query merge (a pass over T x H x Dv outputs) is saved: 15 % at C = 1K, 0.5 % at 32K.
-        # At 256 rows the split was faster (by 33 % at 1K), at 16 heads far faster (the expanded pass
-        # reads the cache once per token).
-        heads = self._ctx_heads
-        return self._mla and heads >= 64 and heads * plan.num_tokens >= 512 * plan.batch_size
+        # Measured on an H100 (docs/performance.md, "The expanded context pass"): from 16384 packed
+        # rows in the step (tokens x gathered heads, e.g. B = 32, Q = 4 at 128 heads) and 256 a
+        # request, at 64 heads or more, the MLA kernel is compute-bound, the expanded pass takes what
+        # the non-causal one does and the split's query merge (a pass over T x H x Dv outputs) is
+        # saved: 15 % at C = 1K, 0.5 % at 32K. At 8192 rows (B = 32, Q = 2; B = 8, Q = 8) the split's
+        # context pass was up to 2x faster than the expanded one; at 16 heads far faster (the expanded
+        # pass reads the cache once per token).
+        heads, rows = self._ctx_heads, self._ctx_heads * plan.num_tokens
+        return self._mla and heads >= 64 and rows >= 16384 and rows >= 256 * plan.batch_size
 
     def _check_works(self, name: str, plan: StepPlan, heads: int) -> None:
         works = _mla_work_bound(plan.num_tokens, plan.batch_size, heads, self._num_sm)
