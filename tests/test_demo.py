@@ -26,6 +26,14 @@ def test_demo_json(dtype, tol):
     assert set(report["phase_us"]) >= {"twostage.query_pass", "twostage.context_pass", "twostage.combine"}
 
 
+def test_demo_with_the_expanded_context_pass():
+    r = demo("--json", "--interleave", "2", "--context-pass", "expand", *SMALL)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["context_pass"] == "expand" and report["ok"] and 0 < report["max_rel_err"] <= 1e-5
+    assert report["phase_us"]["twostage.query_pass"] == 0.0  # no query pass ran
+
+
 def test_demo_runs_without_numpy(tmp_path):
     # torch does not install NumPy, so a bare `pip install twostage-mla` may have none (session 51's
     # fresh venv); a stand-in package that fails to import hides this machine's from the demo's ranks.
@@ -71,6 +79,7 @@ def test_demo_refuses_bad_options_before_starting_processes():
         (dict(iters=0), "iters >= 1, got 0"),
         (dict(interleave=3), "page_size to be a multiple of interleave = 3, got 64"),
         (dict(combine="ring"), "combine in"),
+        (dict(context_pass="fast"), r"context_pass in \('split', 'expand', 'auto'\), got 'fast'"),
         (dict(backend="nope"), "backend to be 'auto' or one of"),
         (dict(min_context=10, max_context=5), "min_context <= max_context"),
         (dict(heads=0), "heads >= 1, got 0"),

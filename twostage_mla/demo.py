@@ -27,7 +27,7 @@ from twostage_mla import synthetic
 from twostage_mla.backends import select_backend
 from twostage_mla.check import DTYPES, TOLERANCE, verdict
 from twostage_mla.comm import COMBINE_METHODS
-from twostage_mla.layer import PHASES, AttentionConfig, TwoStageAttention, _spec
+from twostage_mla.layer import CONTEXT_PASSES, PHASES, AttentionConfig, TwoStageAttention, _spec
 from twostage_mla.layout import DCPLayout
 
 
@@ -51,6 +51,8 @@ class DemoArgs:
     dtype: str = _opt("auto", "auto (bfloat16 on GPUs, float32 on CPUs), float32, bfloat16, float16 (or fp32, ...)")
     combine: str = _opt("a2a", "cross-rank combine: a2a (one all-to-all) or ag_rs (all-gather + reduce-scatter)")
     backend: str = _opt("auto", "attention backend: auto (the fastest that serves) or one by name")
+    context_pass: str = _opt("split", "split, expand (the context pass per token over its causal prefix, new "
+                             "tokens read from the cache) or auto (expand where the backend measured it faster)")
     device: str = _opt("auto", "auto (cuda if there are world_size GPUs, else cpu), cpu or cuda")
     iters: int = _opt(5, "layer calls timed")
     seed: int = _opt(0, "seed of the random step")
@@ -135,13 +137,15 @@ def _worker(rank: int, a: DemoArgs, device: str, init: str, out_path: str) -> No
             ctx, ql, heads=a.heads, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v, dtype=dtype, seed=a.seed
         )
         x = synthetic.rank_inputs(step, layout, a.page_size, mla=True, dtype=dtype, device=dev, seed=a.seed)
-        attn = TwoStageAttention(
-            cfg, layout, group=dist.group.WORLD, combine=a.combine, backend=a.backend, dtype=dtype, device=dev
-        )
+        attn = TwoStageAttention(cfg, layout, group=dist.group.WORLD, combine=a.combine, backend=a.backend,
+                                 dtype=dtype, device=dev, context_pass=a.context_pass)  # fmt: skip
         attn.plan(x.query_start_loc, x.seq_lens, x.block_table)  # the first plan also loads the backend's kernels
         t0 = time.perf_counter()
         plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
         plan_s = time.perf_counter() - t0
+        # The step's latents this rank owns, into its shard, as an engine does before attention (the
+        # shard here holds them already; the expanded context pass reads them there).
+        plan.write_new_tokens(x.k_cache, x.k)
         out = attn(x.q, x.k, None, x.k_cache, None, plan)  # warm-up
         if device == "cuda":
             torch.cuda.synchronize()
@@ -192,6 +196,7 @@ def _worker(rank: int, a: DemoArgs, device: str, init: str, out_path: str) -> No
                 "plan_ms": plan_s * 1e3,
                 "layer_ms": layer_s * 1e3,
                 "fused_query": attn.query_merge is not None,  # then the query pass runs inside the merge
+                "context_pass": "split" if plan.context_plan is None else "expand",  # what this step ran
                 "phase_us": {k: phases.get(k, 0.0) for k in PHASES},
             }
             torch.save(result, out_path)
@@ -256,6 +261,8 @@ def run_demo(args: DemoArgs) -> dict:
         raise ValueError(f"expected 0 <= seed < 2**32, got {args.seed}")
     if args.combine not in COMBINE_METHODS:
         raise ValueError(f"expected combine in {COMBINE_METHODS}, got {args.combine!r}")
+    if args.context_pass not in CONTEXT_PASSES:
+        raise ValueError(f"expected context_pass in {CONTEXT_PASSES}, got {args.context_pass!r}")
     need, have = _host_bytes_needed(args), _host_bytes()
     if need > have:
         raise ValueError(
@@ -283,7 +290,8 @@ def run_demo(args: DemoArgs) -> dict:
 def format_report(r: dict) -> str:
     lines = [
         f"twostage-mla demo: N={r['world_size']} I={r['interleave']} backend={r['backend']} "
-        f"combine={r['combine']} dtype={r['dtype']} on {r['device']} ({r['dist_backend']})",
+        f"combine={r['combine']} dtype={r['dtype']} context_pass={r.get('context_pass', 'split')} on {r['device']} "
+        f"({r['dist_backend']})",
         f"  batch {r['batch']}, {r['heads_per_rank']} heads per rank, contexts {min(r['context_lens'])}.."
         f"{max(r['context_lens'])}, q_len {min(r['q_lens'])}..{max(r['q_lens'])} ({r['tokens']} tokens)",
         f"  vs float64 oracle: max_abs_err {r['max_abs_err']:.3e}  max_rel_err {r['max_rel_err']:.3e}  "
@@ -292,7 +300,9 @@ def format_report(r: dict) -> str:
         "  phase                     time per layer (rank 0, profiler)",
     ]
     for k, v in r["phase_us"].items():
-        if k == PHASES[0] and r.get("fused_query"):
+        if k == PHASES[0] and r.get("context_pass") == "expand":
+            lines.append(f"    {k:<24}   (none: the expanded context pass saw the new tokens)")
+        elif k == PHASES[0] and r.get("fused_query"):
             lines.append(f"    {k:<24}   (in the merge: one fused kernel)")
         else:
             lines.append(f"    {k:<24}{v:>10.1f} us")
