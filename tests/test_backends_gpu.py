@@ -582,14 +582,16 @@ def _nccl_worker(rank: int, world: int, init: str, out_dir: str) -> None:
     path = os.path.join(out_dir, f"{rank}.pt")
     try:
         # MLA through auto (flashinfer where installed), GQA through torch's FA2: two backends under NCCL;
-        # then MLA with the fused query+merge kernel after each combine.
-        for fmt, il, combine, name, fuse in (
-            ("mla", 1, "a2a", "auto", False),
-            ("mla", 64, "ag_rs", "auto", False),
-            ("gqa", 1, "ag_rs", "torch_flash", False),
-            ("gqa", 16, "a2a", "torch_flash", False),
-            ("mla", 4, "a2a", "auto", True),
-            ("mla", 16, "ag_rs", "auto", True),
+        # then MLA with the fused query+merge kernel after each combine; then the expanded context pass.
+        for fmt, il, combine, name, fuse, cpass in (
+            ("mla", 1, "a2a", "auto", False, "split"),
+            ("mla", 64, "ag_rs", "auto", False, "split"),
+            ("gqa", 1, "ag_rs", "torch_flash", False, "split"),
+            ("gqa", 16, "a2a", "torch_flash", False, "split"),
+            ("mla", 4, "a2a", "auto", True, "split"),
+            ("mla", 16, "ag_rs", "auto", True, "split"),
+            ("mla", 2, "a2a", "auto", None, "expand"),
+            ("gqa", 8, "ag_rs", "torch_flash", None, "expand"),
         ):
             heads = 16 if fmt == "mla" else 8
             cfg = _config(fmt, heads, 64)
@@ -617,8 +619,10 @@ def _nccl_worker(rank: int, world: int, init: str, out_dir: str) -> None:
                 dtype=dt,
                 device=dev,
                 fuse_query=fuse,
+                context_pass=cpass,
             )
             plan = attn.plan(x.query_start_loc, x.seq_lens, x.block_table)
+            assert (plan.context_plan is not None) == (cpass == "expand")
             out, lse = attn(x.q, x.k, x.v, x.k_cache, x.v_cache, plan, return_lse=True)
             ref_o, ref_lse = synthetic.oracle(step, cfg.scale, slice(rank * heads, (rank + 1) * heads))
             rel = ((out.double().cpu() - ref_o).abs().max() / ref_o.abs().max()).item()
@@ -630,6 +634,7 @@ def _nccl_worker(rank: int, world: int, init: str, out_dir: str) -> None:
                     combine=combine,
                     backend=attn.backend.name,
                     fuse=fuse,
+                    context_pass=cpass,
                     rel=rel,
                     lse_err=lse_err,
                     graph=None,
@@ -734,7 +739,7 @@ def test_two_gpus_nccl_layer_matches_oracle():
         for r in res:
             print(f"rank {rank}: {r}")
     for rank, res in enumerate(results):
-        assert len(res) == 7, f"rank {rank} stopped early ({'timed out' if not finished else 'error'}): {res}"
+        assert len(res) == 9, f"rank {rank} stopped early ({'timed out' if not finished else 'error'}): {res}"
         last = res.pop()
         assert re.search(r"seq_lens|every rank of the DCP group", last["refused"]) and last["after"], last
         for r in res:
