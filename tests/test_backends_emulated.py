@@ -693,13 +693,14 @@ def test_torch_flash_reads_pages_in_place_only_for_fa2_page_sizes(monkeypatch):
 @pytest.mark.parametrize(
     "check",
     [
+        lambda: test_layer_matches_oracle(None, "flashinfer", True, 16, False, "split"),
         lambda: test_layer_matches_oracle(None, "flashinfer", True, 16, False, "expand"),
         lambda: test_layer_matches_oracle(None, "flashinfer", True, 16, True, "split"),
         lambda: test_passes_match_reference_on_a_shard(None, "flashinfer", True),
         lambda: test_flashinfer_stale_plan_and_capture_limits(None),
         lambda: test_capture_mode_empty_rows_are_refilled_each_step(None, True),
     ],
-    ids=["chain", "tree", "shard", "capture_limits", "empty_rows"],
+    ids=["chain", "chain-expanded", "tree", "shard", "capture_limits", "empty_rows"],
 )
 def test_flashinfer_takes_the_keyword_mla_api_of_later_releases(emulated, monkeypatch, check):
     """FlashInfer 0.7.4's MLA wrapper (MLAPlanMetadata, keywords, the lse mode at plan time): the same checks

@@ -372,6 +372,7 @@ def _measure_point(run: _Run, cache: torch.Tensor, table: torch.Tensor, gen: tor
     keep: list[Any] = []
     if "twostage" in methods:
         expanded = set()  # backends whose default layer expands this point
+        passes: dict[str, str] = {}  # label -> the context pass its plan runs
         for name, label, fuse, cpass in _variants(run.backends_for(h), args.unfused, args.split):
             if (label, b, q, h) in slow or (cpass == "split" and name not in expanded):
                 continue
@@ -382,7 +383,8 @@ def _measure_point(run: _Run, cache: torch.Tensor, table: torch.Tensor, gen: tor
                 attn = layers[(label, h)] = TwoStageAttention(cfg, DCPLayout(), backend=name, dtype=dt, device=dev,
                                                               fuse_query=fuse, context_pass=cpass)
             plan = attn.plan(qsl, seq, table)
-            if plan.context_plan is not None and label == name:
+            passes[label] = "split" if plan.context_plan is None else "expand"
+            if passes[label] == "expand" and label == name:
                 expanded.add(name)
             fns.update(_twostage_fns(label, attn, plan, qx, kx, cache))
     if has_fi and "onepass" in methods:
@@ -410,8 +412,6 @@ def _measure_point(run: _Run, cache: torch.Tensor, table: torch.Tensor, gen: tor
         apart = (cache[:, :, 0, :dv].contiguous(), cache[:, :, 0, dv:].contiguous())
         keep.append(_MLACall(qx, apart, qsl, ctx_lens, table, False, scale, dv))
         fns["context_caches_apart"] = keep[-1]
-    passes = {n.removesuffix(":full"): "expand" if getattr(f, "expanded", False) else "split"
-              for n, f in fns.items() if n.endswith(":full")}
     res = time_many(fns, graph=graph, slow_ms=args.slow_ms, budget_s=args.budget_s)
     for _, name, _fuse, _cpass in _variants(run.backends_for(h), args.unfused, args.split):
         if f"{name}:full" not in res:
@@ -440,15 +440,10 @@ def _twostage_fns(name: str, attn: TwoStageAttention, plan: Any, qx, kx, cache) 
     """
     dv = attn.config.head_dim_v
     plan.write_new_tokens(cache, kx)
-    kplan = plan.context_plan or plan
-
-    def full() -> Any:
-        return attn(qx, kx, None, cache, None, plan)
-
-    full.expanded = plan.context_plan is not None  # type: ignore[attr-defined]
+    ctx_plan = plan.context_plan or plan
     fns = {
-        f"{name}:full": full,
-        f"{name}:context": lambda: attn.backend.context(qx, cache, cache[..., :dv], kplan),
+        f"{name}:full": lambda: attn(qx, kx, None, cache, None, plan),
+        f"{name}:context": lambda: attn.backend.context(qx, cache, cache[..., :dv], ctx_plan),
     }
     if plan.context_plan is not None:  # nothing besides the context pass at N = 1
         return fns

@@ -183,9 +183,11 @@ class TwoStageAttention:
         merge); reads the new tokens from the cache, so the caller stores
         them there before the call (plan.write_new_tokens, or the engine's
         cache write, as for any paged kernel); causal steps only, no capture
-        limits. "auto": "expand" where the backend measured it faster (FlashInfer
-        MLA, 128+ gathered heads, 4+ tokens per request: compute-bound) and the
-        step allows it, else "split"; the same contract as "expand".
+        limits. "auto": "expand" where the backend measured it faster
+        (AttentionBackend.prefers_expanded_context; FlashInfer MLA at 64+
+        gathered heads, 16384+ packed rows a step and 256+ a request:
+        compute-bound) and the step allows it, else "split"; the same
+        contract as "expand".
 
     One instance serves every layer with this config; ``plan`` once per step,
     then call it per layer. Example (one rank, CPU)::
@@ -567,7 +569,7 @@ class TwoStageAttention:
             lse = torch.zeros((0, cfg.num_heads), dtype=torch.float32, device=self.device)
             return (out, lse) if return_lse else out
 
-        n, q_local, kplan = self.layout.world_size, q, plan.context_plan or plan
+        n, q_local, ctx_plan = self.layout.world_size, q, plan.context_plan or plan
         if n > 1:
             gathered, work = comm.gather_queries(q, self.group)
         if self.query_merge is None and plan.context_plan is None:
@@ -578,7 +580,7 @@ class TwoStageAttention:
                 work.wait()
                 q = comm.from_rank_major(gathered, hk)
         with record_function(PHASES[2]):
-            o_c, lse_c = self.backend.context(q, k_cache, v_cache, kplan)
+            o_c, lse_c = self.backend.context(q, k_cache, v_cache, ctx_plan)
         if n == 1:
             o_c, lse_c = o_c[None], lse_c[None]
         else:
