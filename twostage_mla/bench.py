@@ -371,10 +371,10 @@ def _measure_point(run: _Run, cache: torch.Tensor, table: torch.Tensor, gen: tor
     fns: dict[str, Callable[[], Any]] = {}
     keep: list[Any] = []
     if "twostage" in methods:
-        expanded = set()  # backends whose default layer expands this point
         passes: dict[str, str] = {}  # label -> the context pass its plan runs
         for name, label, fuse, cpass in _variants(run.backends_for(h), args.unfused, args.split):
-            if (label, b, q, h) in slow or (cpass == "split" and name not in expanded):
+            # The forced split only where the backend's default layer (label == name, planned first) expands.
+            if (label, b, q, h) in slow or (cpass == "split" and passes.get(name) != "expand"):
                 continue
             attn = layers.get((label, h))
             if attn is None:
@@ -384,8 +384,6 @@ def _measure_point(run: _Run, cache: torch.Tensor, table: torch.Tensor, gen: tor
                                                               fuse_query=fuse, context_pass=cpass)
             plan = attn.plan(qsl, seq, table)
             passes[label] = "split" if plan.context_plan is None else "expand"
-            if passes[label] == "expand" and label == name:
-                expanded.add(name)
             fns.update(_twostage_fns(label, attn, plan, qx, kx, cache))
     if has_fi and "onepass" in methods:
         keep.append(_MLACall(qx, cache, qsl, seq, table, True, scale, dv))
