@@ -114,11 +114,13 @@ def test_layer_matches_oracle(emulated, name, mla, page_size, tree, context_pass
 
 @pytest.mark.parametrize("heads,batch,q_len,limits,expands", [
     (128, 32, 4, None, True), (128, 64, 2, None, True), (64, 32, 8, None, True), (128, 32, 2, None, False),
-    (128, 8, 8, None, False), (128, 128, 1, None, False), (64, 32, 4, None, False), (32, 16, 32, None, False),
-    (128, 32, 4, CaptureLimits(32, 128, 4096), False),
+    (128, 8, 8, None, False), (64, 32, 4, None, False), (32, 16, 32, None, False),
+    (128, 32, 4, CaptureLimits(32, 128, 4096), False), (128, 128, 1, None, True), (16, 32, 1, None, True),
+    (16, 32, 1, CaptureLimits(32, 32, 4096), False), (16, 32, 2, None, False),
 ])  # fmt: skip
 def test_flashinfer_auto_expands_where_it_measured_faster(emulated, heads, batch, q_len, limits, expands):
-    # Measured on an H100 (docs/performance.md): 16384 packed rows (tokens x heads) and 256 a request, 64+ heads.
+    # Measured on an H100 (docs/performance.md): 16384 packed rows (tokens x heads) and 256 a request, 64+ heads;
+    # or one token per request (the expanded pass reads the cache once, and saves the query merge).
     cfg = _config(True, 16, heads)
     ctx = [(0, 30, 70)[b % 3] for b in range(batch)]
     step = synthetic.make_step(ctx, [q_len] * batch, heads=heads, head_dim=cfg.head_dim,

@@ -326,7 +326,7 @@ def test_expanded_context_pass_matches_oracle(name, fmt, dtype):
     print(f"{name} {fmt} {dtype} expanded: rel {rel:.2e} lse {lse_err:.2e}")
 
 
-@pytest.mark.parametrize("q_len,expands", [(4, True), (8, True), (2, False)])
+@pytest.mark.parametrize("q_len,expands", [(4, True), (8, True), (2, False), (1, True)])
 def test_flashinfer_auto_at_128_heads_matches_oracle_eager_and_in_a_graph(q_len, expands):
     cfg = _config("mla", 128, 64)
     if "flashinfer" not in _serving(cfg, torch.bfloat16):

@@ -25,9 +25,11 @@ CASES = [
     ("query_merge_sweep", "--states -1", "expected --states >= 0, got -1"),
     ("query_merge_sweep", "--prev /no/such/kernel.py", "expected --prev to be a Python file holding"),
     ("flex_probe", "--smoke --out /no/such/folder/x.json", "expected --out in an existing folder"),
+    ("spread_probe", "--context 1", "expected --context >= 2, got 1"),
+    ("spread_probe", "--out /no/such/folder/x.json", "expected --out in an existing folder"),
 ]
 if not torch.cuda.is_available():
-    CASES += [(name, "", NO_CUDA) for name in ("context_probe", "dcp_rank_probe", "query_merge_sweep")]
+    CASES += [(name, "", NO_CUDA) for name in ("context_probe", "dcp_rank_probe", "query_merge_sweep", "spread_probe")]
     CASES += [("flex_probe", "", "expected a CUDA GPU (this script times flex_attention on one; --smoke runs")]
 
 

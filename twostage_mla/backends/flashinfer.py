@@ -354,9 +354,11 @@ class FlashInferBackend(AttentionBackend):
         # the non-causal one does and the split's query merge (a pass over T x H x Dv outputs) is
         # saved: 15 % at C = 1K, 0.5 % at 32K. At 8192 rows (B = 32, Q = 2; B = 8, Q = 8) the split's
         # context pass was up to 2x faster than the expanded one; at 16 heads far faster (the expanded
-        # pass reads the cache once per token).
+        # pass reads the cache once per token). With one token per request it reads the cache once too,
+        # and the query merge it saves is 4 - 9 us a layer (docs/performance.md, "Steps of one token").
         heads, rows = self._ctx_heads, self._ctx_heads * plan.num_tokens
-        return self._mla and heads >= 64 and rows >= 16384 and rows >= 256 * plan.batch_size
+        one_each = plan.max_q_len == 1
+        return self._mla and (one_each or (heads >= 64 and rows >= 16384 and rows >= 256 * plan.batch_size))
 
     def _check_works(self, name: str, plan: StepPlan, heads: int) -> None:
         works = _mla_work_bound(plan.num_tokens, plan.batch_size, heads, self._num_sm)
