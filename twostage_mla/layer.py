@@ -186,7 +186,8 @@ class TwoStageAttention:
         limits. "auto": "expand" where the backend measured it faster
         (AttentionBackend.prefers_expanded_context; FlashInfer MLA at 64+
         gathered heads, 16384+ packed rows a step and 256+ a request:
-        compute-bound) and the step allows it, else "split"; the same
+        compute-bound; or one token per request: the cache is read once
+        either way) and the step allows it, else "split"; the same
         contract as "expand".
 
     One instance serves every layer with this config; ``plan`` once per step,
