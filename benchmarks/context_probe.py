@@ -15,13 +15,12 @@ what the L2 left by the previous run is worth.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
 from _args import require_at_least, require_cuda, require_writable
 
-from twostage_mla.bench import _events_us, _MLACall, copy_bandwidth_gbs, time_many
+from twostage_mla.bench import _dump, _events_us, _MLACall, copy_bandwidth_gbs, time_many
 
 
 def main() -> None:
@@ -114,8 +113,7 @@ def main() -> None:
                 del fns, rows
         del cache
         torch.cuda.empty_cache()
-        with open(a.out, "w") as f:
-            json.dump(recs, f, indent=1)
+        _dump(recs, a.out)
 
 
 if __name__ == "__main__":

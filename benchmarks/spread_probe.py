@@ -18,13 +18,12 @@ It decides FlashInfer's "auto" rule at Q = 1 (backends/flashinfer.py).
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from _args import require_at_least, require_cuda, require_writable
 
 from twostage_mla import AttentionConfig, DCPLayout, TwoStageAttention
-from twostage_mla.bench import _MLACall, _twostage_fns, time_many
+from twostage_mla.bench import _dump, _MLACall, _twostage_fns, time_many
 
 
 def main() -> None:
@@ -83,8 +82,7 @@ def main() -> None:
                     del fns, keep
             del cache
             torch.cuda.empty_cache()
-            with open(a.out, "w") as f:
-                json.dump(recs, f, indent=1)
+            _dump(recs, a.out)
 
 
 if __name__ == "__main__":
