@@ -107,7 +107,8 @@ if [ "$part" = expand ]; then
   stamp "bench B = 32, context_pass 'auto' and the split where it expands (FlashInfer builds meanwhile)"
   timeout "${BENCH_S:-300}" python3 -m twostage_mla bench --batch "${BATCH:-32}" --context 1K,8K,32K,128K \
     --q-len 1,2,4,8 --heads "${HEADS:-16,64,128}" --backends flashinfer --split \
-    --methods twostage,onepass,expand,floor --out "$OUT/bench_expand.json" 2>&1 | tail -"${TAIL:-60}"
+    --methods twostage,onepass,expand,floor --out "$OUT/bench_expand.json" 2>&1 | tee "$OUT/bench_expand.log" \
+    | tail -"${TAIL:-60}"  # the whole table in the log: the console keeps its end
   if [ -n "${LONG_BUDGET:-}" ]; then  # the target points again, with longer rounds: less timing noise
     stamp "bench B = 32, Q = 4, 8, 16 and 128 heads, --budget-s $LONG_BUDGET"
     timeout 300 python3 -m twostage_mla bench --batch 32 --context 1K,8K,32K,128K --q-len 4,8 --heads 16,128 \
