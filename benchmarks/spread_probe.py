@@ -57,16 +57,14 @@ def main() -> None:
                     kx = torch.randn(b * q, 1, d, generator=gen, device=dev, dtype=dt)
                     qsl = torch.arange(b + 1, device=dev, dtype=torch.int32) * q
                     seq = (ctx + q).to(dev, torch.int32)
-                    fns, keep = {}, []
+                    fns = {}
                     for cpass in ("split", "expand") if q == 1 or h >= 64 else ("split",):
                         attn = TwoStageAttention(cfg, DCPLayout(), backend="flashinfer", dtype=dt, device=dev,
                                                  context_pass=cpass)  # fmt: skip
                         plan = attn.plan(qsl, seq, table)
-                        keep.append(attn)
                         fns[cpass] = _twostage_fns(cpass, attn, plan, qx, kx, cache)[f"{cpass}:full"]
                     outs = {k: fn().float() for k, fn in fns.items()}
-                    keep.append(_MLACall(qx, cache, qsl, seq, table, True, scale, dv))
-                    fns["onepass"] = keep[-1]
+                    fns["onepass"] = _MLACall(qx, cache, qsl, seq, table, True, scale, dv)
                     ref = fns["onepass"]().float()
                     diff = {k: (o - ref).abs().max().item() for k, o in outs.items()}
                     res = time_many(fns)
@@ -79,7 +77,7 @@ def main() -> None:
                     line = "  ".join(f"{k} {us:8.1f} ({us / one:.3f})" for k, (us, _) in res.items())
                     print(f"C={c:>6} {spread:>6} H={h:>3} Q={q}: {line}  max |diff| {max(diff.values()):.3g}",
                           flush=True)  # fmt: skip
-                    del fns, keep
+                    del fns
             del cache
             torch.cuda.empty_cache()
             _dump(recs, a.out)

@@ -369,7 +369,6 @@ def _measure_point(run: _Run, cache: torch.Tensor, table: torch.Tensor, gen: tor
     if "floor" in methods:
         rec("floor", None, kv_bytes / (run.bw * 1e9) * 1e6, False)
     fns: dict[str, Callable[[], Any]] = {}
-    keep: list[Any] = []
     if "twostage" in methods:
         passes: dict[str, str] = {}  # label -> the context pass its plan runs
         for name, label, fuse, cpass in _variants(run.backends_for(h), args.unfused, args.split):
@@ -386,14 +385,12 @@ def _measure_point(run: _Run, cache: torch.Tensor, table: torch.Tensor, gen: tor
             passes[label] = "split" if plan.context_plan is None else "expand"
             fns.update(_twostage_fns(label, attn, plan, qx, kx, cache))
     if has_fi and "onepass" in methods:
-        keep.append(_MLACall(qx, cache, qsl, seq, table, True, scale, dv))
-        fns["onepass"] = keep[-1]
+        fns["onepass"] = _MLACall(qx, cache, qsl, seq, table, True, scale, dv)
     if has_fi and "expand" in methods:
         # Request b*Q + j: query token j of request b alone, over C + j + 1 keys of b's pages.
         j = torch.arange(q, device=dev, dtype=torch.int32).repeat(b)
-        keep.append(_MLACall(qx, cache, torch.arange(t + 1, device=dev, dtype=torch.int32), c + j + 1,
-                             table.repeat_interleave(q, dim=0), False, scale, dv))
-        fns["expand"] = keep[-1]
+        fns["expand"] = _MLACall(qx, cache, torch.arange(t + 1, device=dev, dtype=torch.int32), c + j + 1,
+                                 table.repeat_interleave(q, dim=0), False, scale, dv)
     if has_fi and "twostage" in methods and (b, c, q, h) == (32, 32768, 4, 16):
         # The same context pass over pages in order (engines hand pages out in any order; the bench shuffles).
         seq_table = torch.arange(table.numel(), device=dev, dtype=torch.int32).view_as(table)
@@ -405,11 +402,9 @@ def _measure_point(run: _Run, cache: torch.Tensor, table: torch.Tensor, gen: tor
         # FlashInfer's non-causal call alone (no layer around it), over the same cache (latent and rope
         # interleaved per token, as the layer takes it) and over the two parts in caches of their own.
         ctx_lens = torch.full((b,), c, device=dev, dtype=torch.int32)
-        keep.append(_MLACall(qx, cache, qsl, ctx_lens, table, False, scale, dv))
-        fns["context_flashinfer_alone"] = keep[-1]
+        fns["context_flashinfer_alone"] = _MLACall(qx, cache, qsl, ctx_lens, table, False, scale, dv)
         apart = (cache[:, :, 0, :dv].contiguous(), cache[:, :, 0, dv:].contiguous())
-        keep.append(_MLACall(qx, apart, qsl, ctx_lens, table, False, scale, dv))
-        fns["context_caches_apart"] = keep[-1]
+        fns["context_caches_apart"] = _MLACall(qx, apart, qsl, ctx_lens, table, False, scale, dv)
     res = time_many(fns, graph=graph, slow_ms=args.slow_ms, budget_s=args.budget_s)
     for _, name, _fuse, _cpass in _variants(run.backends_for(h), args.unfused, args.split):
         if f"{name}:full" not in res:
