@@ -30,6 +30,7 @@ import datetime
 import json
 import math
 import os
+import random
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -143,8 +144,8 @@ def time_many(fns: dict[str, Callable[[], Any]], *, graph: bool = True, slow_ms:
 
     Each fn is captured in its own CUDA graph (several calls per replay, so a
     replay runs >= ~200 us); then every round replays each graph once, in an
-    order rotated per round, so clock or thermal drift and the previous
-    replay's leftovers hit all methods alike and their ratios hold. A fn
+    order shuffled per round (seeded), so clock or thermal drift and the
+    previous replay's leftovers hit all methods alike and their ratios hold. A fn
     slower than slow_ms runs eagerly, 3 times.
     """
     runs: dict[str, tuple[Callable[[], Any], int, bool, float]] = {}  # fn, calls per run, graphed, est. us
@@ -173,11 +174,13 @@ def time_many(fns: dict[str, Callable[[], Any]], *, graph: bool = True, slow_ms:
     round_us = sum(est * n for _, n, _, est in runs.values())
     rounds = max(7, min(60, int(budget_s * 1e6 / max(round_us, 1.0))))
     times: dict[str, list[float]] = {k: [] for k in runs}
-    names = list(runs)
+    names, rng = list(runs), random.Random(0)
     for i in range(rounds):
-        # Rotate the order each round: a replay's time depends on what ran just before it
-        # (L2 contents, clocks), and a fixed order would give one method that bias every round.
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        # A fresh order each round: a replay's time depends on what ran just before it (L2
+        # contents, clocks). A fixed order, or one merely rotated (each method still after the
+        # same one), would give a method that bias every round; a seeded shuffle varies both.
+        rng.shuffle(names)
+        for name in names:
             run, n, graphed, est = runs[name]
             if not graphed and est > slow_ms * 1e3 and i >= 3:
                 continue
