@@ -69,6 +69,12 @@ def test_an_expanded_point_is_checked_against_expand_within_timing_noise():
     assert ("expand/twostage B=32 Q=4 H=128 C=8192: 1.00x (>= 1x 0.9990x, the same kernel as expand: equal within "
             "0.5 %) PASS") in report, report
     assert re.search(r"expand/twostage B=32 Q=4 H=128 C=32768: 0\.99x .* MISS", report), report
+    # with expand's twin (the same call planned again) timed, the report shows both gaps of the same work
+    tw = next(r for r in recs if r["method"] == "expand" and (r["heads"], r["C"]) == (128, 8192))
+    recs.append(dict(tw, method="expand_twin", time_us=297.0))
+    report = bench.check_targets(recs)
+    assert ("0.9990x, the same kernel as expand: equal within 0.5 %; same work, timed apart: expand/twin 1.0101x, "
+            "expand/context pass alone") in report, report
 
 
 def test_plot(tmp_path):
