@@ -399,13 +399,13 @@ def _measure_point(run: _Run, cache: torch.Tensor, table: torch.Tensor, gen: tor
     if has_fi and "expand" in methods:
         # Request b*Q + j: query token j of request b alone, over C + j + 1 keys of b's pages.
         j = torch.arange(q, device=dev, dtype=torch.int32).repeat(b)
-        fns["expand"] = _MLACall(qx, cache, torch.arange(t + 1, device=dev, dtype=torch.int32), c + j + 1,
-                                 table.repeat_interleave(q, dim=0), False, scale, dv)
-    if "expand" in fns and passes.get("flashinfer") == "expand":
-        # Where the layer's pass is expand's own call, a second plan of that call timed in the
-        # same rounds: how far two timings of the same work drift apart in this run.
-        fns["expand_twin"] = _MLACall(qx, cache, torch.arange(t + 1, device=dev, dtype=torch.int32), c + j + 1,
-                                      table.repeat_interleave(q, dim=0), False, scale, dv)
+        ex_args = (qx, cache, torch.arange(t + 1, device=dev, dtype=torch.int32), c + j + 1,
+                   table.repeat_interleave(q, dim=0), False, scale, dv)
+        fns["expand"] = _MLACall(*ex_args)
+        if passes.get("flashinfer") == "expand":
+            # Where the layer's pass is expand's own call, a second plan of that call timed in the
+            # same rounds: how far two timings of the same work drift apart in this run.
+            fns["expand_twin"] = _MLACall(*ex_args)
     if has_fi and "twostage" in methods and (b, c, q, h) == (32, 32768, 4, 16):
         # The same context pass over pages in order (engines hand pages out in any order; the bench shuffles).
         seq_table = torch.arange(table.numel(), device=dev, dtype=torch.int32).view_as(table)
